@@ -1,0 +1,221 @@
+"""The cost graph: what JAX's remat machinery sees, as data.
+
+A graph is the known (primal) part of a JVP'd function. Each *node* is one
+primitive application; each *value* is one array it reads or writes. On the
+wire the graph is columnar: one list per field, node edges as CSR index arrays
+(``input_ptr``/``input_ids``, ``output_ptr``/``output_ids``) that hold value ids.
+
+Semantics (see ``solver.semantics``, the single executable definition):
+
+* every free node is either saved (runs only forward) or recomputed (staged
+  into the backward pass too); ``mode`` fixes a node to one choice when the
+  policy cannot change it (effects, control flow);
+* a value is *needed* when it is in ``backward_reads``, when a recomputed node
+  that runs in the backward pass reads it, or when it is the ``carry_out`` of
+  a loop whose paired ``carry_in`` is needed (a scan body that reads its
+  primal carry in the backward pass must rebuild the carry every iteration);
+* a recomputed node runs in the backward pass when any of its outputs is needed;
+* a needed value is a *residual* when it is a graph input or the output of a
+  saved node; ``value_bytes`` is what it then costs (already multiplied by the
+  scan lengths it is stacked over).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from enum import StrEnum
+from functools import cached_property
+from typing import Annotated
+
+from pydantic import BaseModel, ConfigDict, Field, StrictInt, StrictStr, model_validator
+
+SCHEMA_VERSION = 1
+
+NonNegInt = Annotated[StrictInt, Field(ge=0)]
+
+
+class NodeMode(StrEnum):
+    FREE = "free"
+    SAVE = "save"
+    RECOMPUTE = "recompute"
+
+
+class GraphError(ValueError):
+    """A cost graph that breaks the schema; the message names the node or value."""
+
+
+class CostGraph(BaseModel):
+    """Columnar cost graph. Construct with keyword lists; validation is strict."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    schema_version: StrictInt = SCHEMA_VERSION
+    name: StrictStr = ""
+
+    value_id: list[NonNegInt]
+    value_bytes: list[NonNegInt]
+    value_shape: list[list[NonNegInt]]
+    value_dtype: list[StrictStr]
+
+    node_id: list[NonNegInt]
+    node_primitive: list[StrictStr]
+    node_key: list[StrictStr]
+    node_flops: list[NonNegInt]
+    node_mode: list[NodeMode]
+    node_repeat: list[Annotated[StrictInt, Field(ge=1)]]
+    node_source: list[StrictStr]
+    input_ptr: list[NonNegInt]
+    input_ids: list[NonNegInt]
+    output_ptr: list[NonNegInt]
+    output_ids: list[NonNegInt]
+
+    inputs: list[NonNegInt]
+    backward_reads: list[NonNegInt]
+    carry_in: list[NonNegInt] = Field(default_factory=list)
+    carry_out: list[NonNegInt] = Field(default_factory=list)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _known_schema_version(cls, data: object) -> object:
+        if isinstance(data, dict):
+            version = data.get("schema_version", SCHEMA_VERSION)
+            if version != SCHEMA_VERSION:
+                raise GraphError(
+                    f"unknown schema_version {version!r}; this build reads version "
+                    f"{SCHEMA_VERSION}"
+                )
+        return data
+
+    @model_validator(mode="after")
+    def _consistent(self) -> CostGraph:
+        from solver.validation import check_graph
+
+        check_graph(self)
+        return self
+
+    # ---- derived views (positions, not ids) -------------------------------
+
+    @property
+    def num_nodes(self) -> int:
+        return len(self.node_id)
+
+    @property
+    def num_values(self) -> int:
+        return len(self.value_id)
+
+    @cached_property
+    def value_index(self) -> dict[int, int]:
+        return {v: i for i, v in enumerate(self.value_id)}
+
+    @cached_property
+    def node_inputs(self) -> list[list[int]]:
+        """Per node, the positions of the values it reads."""
+        idx = self.value_index
+        p, ids = self.input_ptr, self.input_ids
+        return [[idx[v] for v in ids[p[n] : p[n + 1]]] for n in range(self.num_nodes)]
+
+    @cached_property
+    def node_outputs(self) -> list[list[int]]:
+        """Per node, the positions of the values it writes."""
+        idx = self.value_index
+        p, ids = self.output_ptr, self.output_ids
+        return [[idx[v] for v in ids[p[n] : p[n + 1]]] for n in range(self.num_nodes)]
+
+    @cached_property
+    def producer(self) -> list[int | None]:
+        """Per value, the position of the node that writes it (None for inputs)."""
+        out: list[int | None] = [None] * self.num_values
+        for n, outs in enumerate(self.node_outputs):
+            for v in outs:
+                out[v] = n
+        return out
+
+    @cached_property
+    def content_hash(self) -> str:
+        """sha256 of the canonical JSON: the graph's identity everywhere."""
+        return hashlib.sha256(self.canonical_json().encode()).hexdigest()
+
+    def canonical_json(self) -> str:
+        return json.dumps(self.model_dump(mode="json"), sort_keys=True, separators=(",", ":"))
+
+    def total_bytes(self) -> int:
+        return sum(self.value_bytes)
+
+
+class GraphBuilder:
+    """Row-at-a-time construction of a CostGraph (used by extraction and tests)."""
+
+    def __init__(self, name: str = "") -> None:
+        self.name = name
+        self.values: list[tuple[int, list[int], str]] = []
+        self.nodes: list[dict] = []
+        self.inputs: list[int] = []
+        self.backward_reads: list[int] = []
+        self.carry_in: list[int] = []
+        self.carry_out: list[int] = []
+
+    def value(self, nbytes: int, shape: tuple[int, ...] = (), dtype: str = "") -> int:
+        self.values.append((int(nbytes), [int(d) for d in shape], dtype))
+        return len(self.values) - 1
+
+    def input(self, nbytes: int, shape: tuple[int, ...] = (), dtype: str = "") -> int:
+        v = self.value(nbytes, shape, dtype)
+        self.inputs.append(v)
+        return v
+
+    def node(
+        self,
+        primitive: str,
+        inputs: list[int],
+        outputs: list[int],
+        *,
+        key: str = "",
+        flops: int = 0,
+        mode: NodeMode | str = NodeMode.FREE,
+        repeat: int = 1,
+        source: str = "",
+    ) -> int:
+        self.nodes.append(
+            dict(
+                primitive=primitive,
+                inputs=list(inputs),
+                outputs=list(outputs),
+                key=key,
+                flops=int(flops),
+                mode=NodeMode(mode),
+                repeat=int(repeat),
+                source=source,
+            )
+        )
+        return len(self.nodes) - 1
+
+    def build(self) -> CostGraph:
+        input_ptr, input_ids, output_ptr, output_ids = [0], [], [0], []
+        for n in self.nodes:
+            input_ids.extend(n["inputs"])
+            input_ptr.append(len(input_ids))
+            output_ids.extend(n["outputs"])
+            output_ptr.append(len(output_ids))
+        return CostGraph(
+            name=self.name,
+            value_id=list(range(len(self.values))),
+            value_bytes=[v[0] for v in self.values],
+            value_shape=[v[1] for v in self.values],
+            value_dtype=[v[2] for v in self.values],
+            node_id=list(range(len(self.nodes))),
+            node_primitive=[n["primitive"] for n in self.nodes],
+            node_key=[n["key"] for n in self.nodes],
+            node_flops=[n["flops"] for n in self.nodes],
+            node_mode=[n["mode"] for n in self.nodes],
+            node_repeat=[n["repeat"] for n in self.nodes],
+            node_source=[n["source"] for n in self.nodes],
+            input_ptr=input_ptr,
+            input_ids=input_ids,
+            output_ptr=output_ptr,
+            output_ids=output_ids,
+            inputs=self.inputs,
+            backward_reads=sorted(set(self.backward_reads)),
+            carry_in=self.carry_in,
+            carry_out=self.carry_out,
+        )

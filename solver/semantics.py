@@ -1,0 +1,76 @@
+"""The executable definition of what a plan costs under JAX's remat rules.
+
+``evaluate`` is the one place that turns decisions into residual bytes and
+recompute FLOPs. The MILP is a formulation of it; tests check the two agree and
+that both agree with ``jax.ad_checkpoint.saved_residuals``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from solver.graph import CostGraph, NodeMode
+
+
+@dataclass(frozen=True)
+class Evaluation:
+    residual_bytes: int
+    backward_flops: int  # FLOPs of every node that runs in the backward pass
+    residuals: tuple[int, ...]  # value positions
+    active: tuple[int, ...]  # node positions that run in the backward pass
+
+
+def effective_saves(graph: CostGraph, saved: Sequence[bool]) -> list[bool]:
+    """Apply forced modes on top of the per-node choice."""
+    out = []
+    for mode, s in zip(graph.node_mode, saved, strict=True):
+        out.append(True if mode == NodeMode.SAVE else False if mode == NodeMode.RECOMPUTE
+                   else bool(s))
+    return out
+
+
+def evaluate(graph: CostGraph, saved: Sequence[bool]) -> Evaluation:
+    """Residuals and backward FLOPs when node ``n`` is saved iff ``saved[n]``."""
+    save = effective_saves(graph, saved)
+    producer = graph.producer
+    carry_of: dict[int, list[int]] = {}
+    for cin, cout in zip(graph.carry_in, graph.carry_out, strict=True):
+        carry_of.setdefault(graph.value_index[cin], []).append(graph.value_index[cout])
+
+    needed = [False] * graph.num_values
+    active = [False] * graph.num_nodes
+    stack = [graph.value_index[v] for v in graph.backward_reads]
+    while stack:
+        v = stack.pop()
+        if needed[v]:
+            continue
+        needed[v] = True
+        stack.extend(carry_of.get(v, ()))
+        p = producer[v]
+        if p is not None and not save[p] and not active[p]:
+            active[p] = True
+            stack.extend(graph.node_inputs[p])
+
+    residuals = tuple(v for v in range(graph.num_values)
+                      if needed[v] and (producer[v] is None or save[producer[v]]))
+    active_nodes = tuple(n for n in range(graph.num_nodes) if active[n])
+    return Evaluation(
+        residual_bytes=sum(graph.value_bytes[v] for v in residuals),
+        backward_flops=sum(graph.node_flops[n] for n in active_nodes),
+        residuals=residuals,
+        active=active_nodes,
+    )
+
+
+def baseline_backward_flops(graph: CostGraph) -> int:
+    """Backward FLOPs with every free node saved (JAX's ``everything_saveable``).
+
+    Recompute FLOPs of a plan are its backward FLOPs minus this: the work the
+    plan adds over saving everything.
+    """
+    return evaluate(graph, [True] * graph.num_nodes).backward_flops
+
+
+def recompute_flops(graph: CostGraph, saved: Sequence[bool]) -> int:
+    return evaluate(graph, saved).backward_flops - baseline_backward_flops(graph)

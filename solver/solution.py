@@ -1,0 +1,77 @@
+"""What a solve returns: pydantic models shared by the library and the service."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from enum import StrEnum
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, StrictInt
+
+
+class SolveStatus(StrEnum):
+    OPTIMAL = "optimal"
+    FEASIBLE = "feasible"  # a plan within budget, optimality not proven (gap > requested)
+    INFEASIBLE = "infeasible"
+    TIMED_OUT = "timed_out"  # time limit hit before any plan was found
+
+
+class Backend(StrEnum):
+    SCIP = "scip"
+    CPSAT = "cpsat"
+
+
+class SolveOptions(BaseModel):
+    """Request options; their defaults are part of the request hash."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    tie: bool = True  # one decision per policy key (what a stateless policy can express)
+    time_limit_s: float = Field(default=60.0, gt=0)
+    relative_gap: float = Field(default=0.0, ge=0, le=1)
+    backend: Backend = Backend.CPSAT
+
+
+class Solution(BaseModel):
+    """A plan for one graph and budget.
+
+    Everything but ``solve_seconds`` is a pure function of the request: the same
+    graph, budget and options give the same fields, bit for bit, on every host.
+    """
+
+    model_config = ConfigDict(frozen=True)
+
+    graph_hash: str
+    budget_bytes: StrictInt
+    options: SolveOptions
+    status: SolveStatus
+    residual_bytes: StrictInt
+    recompute_flops: StrictInt  # backward FLOPs beyond those of saving everything
+    lower_bound_flops: StrictInt
+    gap: float
+    saved_keys: list[str]  # policy keys decided "save" (tied plans)
+    offloaded_keys: list[str] = Field(default_factory=list)
+    node_decisions: list[Literal["save", "recompute"]]  # per graph node, forced modes applied
+    solver: str
+    solver_version: str
+    solve_seconds: float = 0.0
+
+    def fingerprint(self) -> str:
+        """sha256 over every deterministic field (all but ``solve_seconds``)."""
+        data = self.model_dump(mode="json", exclude={"solve_seconds"})
+        return hashlib.sha256(
+            json.dumps(data, sort_keys=True, separators=(",", ":")).encode()
+        ).hexdigest()
+
+
+class InfeasibleBudgetError(ValueError):
+    """No plan fits the budget; ``min_budget_bytes`` is the smallest one that does."""
+
+    def __init__(self, budget_bytes: int, min_budget_bytes: int) -> None:
+        self.budget_bytes = budget_bytes
+        self.min_budget_bytes = min_budget_bytes
+        super().__init__(
+            f"budget of {budget_bytes} bytes is infeasible: the smallest feasible budget "
+            f"for this graph is {min_budget_bytes} bytes"
+        )

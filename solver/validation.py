@@ -1,0 +1,107 @@
+"""Structural checks on a CostGraph; every message names the offending id."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from solver.graph import CostGraph
+
+
+def _fail(msg: str) -> None:
+    from solver.graph import GraphError
+
+    raise GraphError(msg)
+
+
+def _check_columns(g: CostGraph) -> None:
+    nv, nn = len(g.value_id), len(g.node_id)
+    for field in ("value_bytes", "value_shape", "value_dtype"):
+        if len(getattr(g, field)) != nv:
+            _fail(f"{field} has {len(getattr(g, field))} entries, value_id has {nv}")
+    for field in ("node_primitive", "node_key", "node_flops", "node_mode", "node_repeat",
+                  "node_source"):
+        if len(getattr(g, field)) != nn:
+            _fail(f"{field} has {len(getattr(g, field))} entries, node_id has {nn}")
+    for ptr_name, ids_name in (("input_ptr", "input_ids"), ("output_ptr", "output_ids")):
+        ptr, ids = getattr(g, ptr_name), getattr(g, ids_name)
+        if len(ptr) != nn + 1 or (ptr and ptr[0] != 0) or (ptr and ptr[-1] != len(ids)):
+            _fail(f"{ptr_name} must have {nn + 1} entries from 0 to len({ids_name})="
+                  f"{len(ids)}")
+        for n in range(nn):
+            if ptr[n] > ptr[n + 1]:
+                _fail(f"{ptr_name} decreases at node {g.node_id[n]}")
+    if len(g.carry_in) != len(g.carry_out):
+        _fail(f"carry_in has {len(g.carry_in)} entries, carry_out has {len(g.carry_out)}")
+
+
+def _check_ids(g: CostGraph) -> None:
+    for kind, ids in (("value", g.value_id), ("node", g.node_id)):
+        seen: set[int] = set()
+        for i in ids:
+            if i in seen:
+                _fail(f"duplicate {kind} id {i}")
+            seen.add(i)
+    values = set(g.value_id)
+    for n, node in enumerate(g.node_id):
+        for ptr, ids, what in ((g.input_ptr, g.input_ids, "reads"),
+                               (g.output_ptr, g.output_ids, "writes")):
+            for v in ids[ptr[n]:ptr[n + 1]]:
+                if v not in values:
+                    _fail(f"node {node} ({g.node_primitive[n]}) {what} value {v}, "
+                          "which does not exist")
+    for field in ("inputs", "backward_reads", "carry_in", "carry_out"):
+        for v in getattr(g, field):
+            if v not in values:
+                _fail(f"{field} names value {v}, which does not exist")
+
+
+def _check_producers(g: CostGraph) -> None:
+    producer: dict[int, int] = {}
+    for n, node in enumerate(g.node_id):
+        for v in g.output_ids[g.output_ptr[n]:g.output_ptr[n + 1]]:
+            if v in producer:
+                _fail(f"value {v} is written by node {producer[v]} and node {node}")
+            producer[v] = node
+    inputs = set(g.inputs)
+    for v in g.inputs:
+        if v in producer:
+            _fail(f"value {v} is a graph input but node {producer[v]} writes it")
+    for v in g.value_id:
+        if v not in producer and v not in inputs:
+            _fail(f"value {v} has no producing node and is not a graph input")
+
+
+def _check_acyclic(g: CostGraph) -> None:
+    """Kahn's algorithm over nodes; a leftover node sits on a cycle."""
+    producer = {}
+    for n in range(len(g.node_id)):
+        for v in g.output_ids[g.output_ptr[n]:g.output_ptr[n + 1]]:
+            producer[v] = n
+    succ: list[list[int]] = [[] for _ in g.node_id]
+    indeg = [0] * len(g.node_id)
+    for n in range(len(g.node_id)):
+        for v in g.input_ids[g.input_ptr[n]:g.input_ptr[n + 1]]:
+            p = producer.get(v)
+            if p is not None:
+                succ[p].append(n)
+                indeg[n] += 1
+    ready = [n for n, d in enumerate(indeg) if d == 0]
+    done = 0
+    while ready:
+        n = ready.pop()
+        done += 1
+        for m in succ[n]:
+            indeg[m] -= 1
+            if indeg[m] == 0:
+                ready.append(m)
+    if done != len(g.node_id):
+        on_cycle = min(g.node_id[n] for n, d in enumerate(indeg) if d > 0)
+        _fail(f"the graph has a cycle through node {on_cycle}")
+
+
+def check_graph(g: CostGraph) -> None:
+    _check_columns(g)
+    _check_ids(g)
+    _check_producers(g)
+    _check_acyclic(g)
