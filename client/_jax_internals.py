@@ -1,0 +1,78 @@
+"""The one module that touches private JAX internals.
+
+Extraction must see exactly the jaxpr that ``jax.checkpoint`` partially
+evaluates, and the policy must answer with JAX's own ``Saveable``/``Recompute``
+objects; both live under ``jax._src``. Everything private is imported here, and
+the JAX versions this was written and tested against are checked at import.
+"""
+
+from __future__ import annotations
+
+import jax
+
+SUPPORTED_JAX = ((0, 10, 0), (0, 11, 0))  # [lower, upper)
+
+
+def _version_tuple(version: str) -> tuple[int, ...]:
+    parts = []
+    for piece in version.split(".")[:3]:
+        digits = "".join(ch for ch in piece if ch.isdigit())
+        parts.append(int(digits or 0))
+    return tuple(parts)
+
+
+_installed = _version_tuple(jax.__version__)
+if not (SUPPORTED_JAX[0] <= _installed < SUPPORTED_JAX[1]):
+    raise ImportError(
+        f"optiremat supports jax >= {'.'.join(map(str, SUPPORTED_JAX[0]))} and < "
+        f"{'.'.join(map(str, SUPPORTED_JAX[1]))}; found jax {jax.__version__}. Its extraction "
+        "mirrors JAX's private remat rules, which change between releases."
+    )
+
+# ruff: noqa: E402
+from jax._src import (
+    core,  # noqa: F401  (re-exported)
+    source_info_util,
+)
+from jax._src.ad_checkpoint import name_p, saved_residuals  # noqa: F401
+from jax._src.interpreters import ad
+from jax._src.interpreters import partial_eval as pe
+from jax._src.interpreters.partial_eval import Offloadable, Recompute, Saveable  # noqa: F401
+
+Jaxpr = core.Jaxpr
+ClosedJaxpr = core.ClosedJaxpr
+Literal = core.Literal
+Var = core.Var
+
+
+def jvp_jaxpr(closed: core.ClosedJaxpr, nonzeros: list[bool]) -> core.Jaxpr:
+    """The JVP'd jaxpr exactly as ``remat_jvp`` builds it, consts as leading invars."""
+    jvp_closed, _ = ad.jvp_jaxpr(closed, nonzeros, False)
+    return pe.convert_constvars_jaxpr(jvp_closed.jaxpr), list(jvp_closed.consts)
+
+
+def close_with_consts_as_inputs(closed: core.ClosedJaxpr) -> core.ClosedJaxpr:
+    """``jax.checkpoint`` turns the traced function's consts into leading inputs."""
+    return pe.close_jaxpr(pe.convert_constvars_jaxpr(closed.jaxpr))
+
+
+def has_effects(eqn: core.JaxprEqn) -> bool:
+    """Mirror of partial_eval's test: such equations always stay in the forward pass."""
+    not_really = (core.NamedAxisEffect, core.InternalMutableArrayEffect)
+    return any(not isinstance(e, not_really) for e in eqn.effects)
+
+
+def source_of(eqn: core.JaxprEqn) -> str:
+    return source_info_util.summarize(eqn.source_info)
+
+
+def new_name_eqn(src: core.Var, name: str, like: core.JaxprEqn) -> tuple[core.Var, core.JaxprEqn]:
+    """``dst = name[name](src)``: what ``checkpoint_name`` binds."""
+    dst = core.Var(src.aval)
+    eqn = core.new_jaxpr_eqn([src], [dst], name_p, {"name": name}, set(), like.source_info,
+                             like.ctx)
+    return dst, eqn
+
+
+def eval_jaxpr(jaxpr: core.Jaxpr, consts: list, *args):
+    return core.eval_jaxpr(jaxpr, consts, *args)

@@ -1,0 +1,568 @@
+"""From a JAX function to the cost graph ``jax.checkpoint`` will see.
+
+``jax.checkpoint`` JVPs the traced function and splits it with
+``partial_eval_jaxpr_custom``: primal inputs known, tangents unknown. Every
+equation whose inputs are all known is offered to the policy; the rest is the
+backward pass. ``_Walker`` replays that split as one walk over the JVP'd jaxpr,
+with rules in a table for the primitives that partial_eval treats specially
+(call-like primitives are flattened, ``scan`` bodies become sub-graphs whose
+residuals are stacked over the length, ``cond`` and ``while`` become fixed
+nodes). The walk records, for every value, whether the backward pass reads it,
+and leaves the save/recompute choice to the solver.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import jax
+import numpy as np
+
+from client import _jax_internals as jx
+from client.cost_model import aval_bytes, eqn_flops
+from client.policy_key import policy_key
+from solver.graph import CostGraph, GraphBuilder, NodeMode
+from solver.semantics import evaluate
+
+NAME_PREFIX = "optiremat/"
+
+
+class ExtractionError(ValueError):
+    """The function uses something whose remat behaviour optiremat cannot predict."""
+
+
+@dataclass(frozen=True)
+class Ref:
+    """What a jaxpr variable holds during the walk.
+
+    A known (primal) variable refers to a graph value; an unknown one (a
+    tangent) to a value of the walker's tangent graph, which exists only to
+    find the tangent equations JAX's dead-code elimination keeps.
+    """
+
+    value: int | None  # graph or tangent value; None for literals and closed-over constants
+    known: bool
+    varying: frozenset[int] = frozenset()  # the enclosing scans it changes across
+
+
+CONSTANT = Ref(None, True)
+
+
+@dataclass
+class _TangentGraph:
+    """The staged (backward) equations: which tangents they read and write,
+    and which primal values they read."""
+
+    producer: dict[int, int] = field(default_factory=dict)
+    inputs: list[list[int]] = field(default_factory=list)
+    primal_reads: list[list[int]] = field(default_factory=list)
+    carries: list[tuple[int, int]] = field(default_factory=list)  # (carry in, carry out)
+    count: int = 0
+
+    def node(self, tangents_in: Sequence[int], primal_reads: Sequence[int],
+             num_out: int) -> list[int]:
+        outs = list(range(self.count, self.count + num_out))
+        self.count += num_out
+        for t in outs:
+            self.producer[t] = len(self.inputs)
+        self.inputs.append(list(tangents_in))
+        self.primal_reads.append(list(primal_reads))
+        return outs
+
+    def live_primal_reads(self, sinks: Sequence[int]) -> list[int]:
+        """Primal values read by the staged equations that survive DCE."""
+        carry_of: dict[int, list[int]] = {}
+        for cin, cout in self.carries:
+            carry_of.setdefault(cin, []).append(cout)
+        live_t: set[int] = set()
+        live_n: set[int] = set()
+        stack = list(sinks)
+        while stack:
+            t = stack.pop()
+            if t in live_t:
+                continue
+            live_t.add(t)
+            stack.extend(carry_of.get(t, ()))
+            n = self.producer.get(t)
+            if n is not None and n not in live_n:
+                live_n.add(n)
+                stack.extend(self.inputs[n])
+        return sorted({v for n in live_n for v in self.primal_reads[n]})
+
+
+@dataclass(frozen=True)
+class Context:
+    loops: tuple[tuple[int, int], ...] = ()  # (scan id, length) from outermost in
+
+    @property
+    def multiplier(self) -> int:
+        return math.prod(length for _, length in self.loops)
+
+    def enter(self, loop_id: int, length: int) -> Context:
+        return Context((*self.loops, (loop_id, length)))
+
+
+# How a known equation's decision is fixed: FREE leaves it to the solver.
+Decide = Callable[[jx.core.JaxprEqn], NodeMode]
+
+
+def decide_by_policy(eqn: jx.core.JaxprEqn) -> NodeMode:
+    """Tied graphs: the plan's policy decides every equation it is offered."""
+    return NodeMode.FREE
+
+
+def decide_by_names(eqn: jx.core.JaxprEqn) -> NodeMode:
+    """Names graphs: ``save_only_these_names`` recomputes all but ``name`` equations."""
+    return NodeMode.FREE if eqn.primitive is jx.name_p else NodeMode.RECOMPUTE
+
+
+@dataclass
+class _Walker:
+    builder: GraphBuilder
+    decide: Decide
+    branch_decide: Decide  # the fixed decision inside cond branches
+    next_loop: int = 0
+    keys_forced_save: set[str] = field(default_factory=set)
+    branch_nodes: list[dict] = field(default_factory=list)  # offered to the policy in conds
+    tangents: _TangentGraph = field(default_factory=_TangentGraph)
+
+    # ---- values and nodes -------------------------------------------------
+
+    def new_value(self, aval, varying: frozenset[int], ctx: Context) -> int:
+        stacked = math.prod(length for loop, length in ctx.loops if loop in varying)
+        return self.builder.value(aval_bytes(aval) * stacked, tuple(getattr(aval, "shape", ())),
+                                  str(getattr(aval, "dtype", "")))
+
+    def node(self, eqn, ins: Sequence[Ref], ctx: Context, mode: NodeMode, key: str,
+             flops: int) -> list[Ref]:
+        varying = frozenset().union(*(r.varying for r in ins))
+        outs = [Ref(self.new_value(v.aval, varying, ctx), True, varying) for v in eqn.outvars]
+        self.builder.node(
+            eqn.primitive.name,
+            [r.value for r in ins if r.value is not None],
+            [r.value for r in outs],
+            key=key, flops=flops, mode=mode, repeat=ctx.multiplier, source=jx.source_of(eqn),
+        )
+        return outs
+
+    def virtual(self, name: str, inputs: Sequence[int | None], out_avals: Sequence,
+                varying: frozenset[int], ctx: Context, *, mode: NodeMode = NodeMode.RECOMPUTE,
+                flops: int = 0, source: str = "") -> list[int]:
+        """A node no policy decides: JAX's rule fixes what it does."""
+        outs = [self.new_value(a, varying, ctx) for a in out_avals]
+        self.builder.node(name, sorted({v for v in inputs if v is not None}), outs, key="",
+                          flops=flops, mode=mode, repeat=ctx.multiplier, source=source)
+        return outs
+
+    def staged(self, refs: Sequence[Ref], num_out: int,
+               extra_reads: Sequence[int] = ()) -> list[Ref]:
+        """An equation of the backward pass: it reads tangents and primal values."""
+        tangents_in = [r.value for r in refs if not r.known and r.value is not None]
+        reads = [r.value for r in refs if r.known and r.value is not None] + list(extra_reads)
+        return [Ref(t, False) for t in self.tangents.node(tangents_in, reads, num_out)]
+
+    def finish(self, outs: Sequence[Ref]) -> None:
+        """The backward pass needs the output tangents: mark what it reads."""
+        sinks = [r.value for r in outs if not r.known and r.value is not None]
+        self.builder.backward_reads.extend(self.tangents.live_primal_reads(sinks))
+
+    # ---- the walk ---------------------------------------------------------
+
+    def walk(self, jaxpr: jx.Jaxpr, ins: Sequence[Ref], ctx: Context) -> list[Ref]:
+        env: dict = dict(zip(jaxpr.invars, ins, strict=True))
+        env.update((v, CONSTANT) for v in jaxpr.constvars)
+
+        def read(x) -> Ref:
+            return CONSTANT if isinstance(x, jx.Literal) else env[x]
+
+        for eqn in jaxpr.eqns:
+            refs = [read(x) for x in eqn.invars]
+            rule = RULES.get(eqn.primitive.name)
+            if rule is not None:
+                outs = rule(self, eqn, refs, ctx)
+            elif not all(r.known for r in refs):
+                outs = self.staged(refs, len(eqn.outvars))
+            else:
+                outs = self.known_eqn(eqn, refs, ctx)
+            env.update(zip(eqn.outvars, outs, strict=True))
+        return [read(x) for x in jaxpr.outvars]
+
+    def known_eqn(self, eqn, refs: Sequence[Ref], ctx: Context) -> list[Ref]:
+        flops = eqn_flops(eqn) * ctx.multiplier
+        if jx.has_effects(eqn):  # always kept in the forward pass, whatever the policy says
+            return self.node(eqn, refs, ctx, NodeMode.SAVE, "", flops)
+        key = policy_key(eqn.primitive, [x.aval for x in eqn.invars], eqn.params)
+        return self.node(eqn, refs, ctx, self.decide(eqn), key, flops)
+
+    # ---- rules: call-like primitives are flattened --------------------------
+
+    def call_rule(self, eqn, refs: Sequence[Ref], ctx: Context) -> list[Ref]:
+        for name in ("jaxpr", "call_jaxpr"):
+            inner = eqn.params.get(name)
+            if inner is not None:
+                break
+        jaxpr = inner.jaxpr if isinstance(inner, jx.ClosedJaxpr) else inner
+        return self.walk(jaxpr, refs, ctx)
+
+    # ---- scan: the body once, stacked over the length ---------------------
+
+    def scan_rule(self, eqn, refs: Sequence[Ref], ctx: Context) -> list[Ref]:
+        p = eqn.params
+        n_consts, n_carry, length = p["num_consts"], p["num_carry"], int(p["length"])
+        body: jx.Jaxpr = p["jaxpr"].jaxpr
+        consts, init, xs = refs[:n_consts], refs[n_consts:n_consts + n_carry], \
+            refs[n_consts + n_carry:]
+        carry_known = _scan_carry_known(body, consts, init, xs)
+        loop = self.next_loop
+        self.next_loop += 1
+        inner = ctx.enter(loop, length)
+        here = frozenset({loop})
+
+        carry_in: list[Ref] = []
+        for ref, known, var in zip(init, carry_known, body.invars[n_consts:n_consts + n_carry],
+                                   strict=True):
+            if not known:
+                (t,) = self.staged([ref], 1)
+                carry_in.append(t)
+                continue
+            # The staged scan rebuilds the primal carry from the initial value.
+            varying = ref.varying | here
+            (v,) = self.virtual("scan_carry", [ref.value], [var.aval], varying, inner,
+                                source=jx.source_of(eqn))
+            carry_in.append(Ref(v, True, varying))
+        xs_in = [Ref(r.value, True, r.varying | here) if r.known else r for r in xs]
+        outs = self.walk(body, [*consts, *carry_in, *xs_in], inner)
+        carry_out = outs[:n_carry]
+
+        for cin, cout in zip(carry_in, carry_out, strict=True):
+            if cout.value is None:
+                continue
+            if cin.known:
+                self.builder.carry_in.append(cin.value)
+                self.builder.carry_out.append(cout.value)
+            else:
+                self.tangents.carries.append((cin.value, cout.value))
+        # Primal outputs of a scan are instantiated: the staged scan recomputes them.
+        results = []
+        for ref, var in zip(outs, eqn.outvars, strict=True):
+            if not ref.known:
+                results.extend(self.staged([ref], 1))
+                continue
+            varying = ref.varying - here
+            (v,) = self.virtual("scan_output", [ref.value], [var.aval], varying, ctx,
+                                source=jx.source_of(eqn))
+            results.append(Ref(v, True, varying))
+        return results
+
+    # ---- cond: branches under a fixed decision ----------------------------
+
+    def cond_rule(self, eqn, refs: Sequence[Ref], ctx: Context) -> list[Ref]:
+        index, ops = refs[0], refs[1:]
+        if not index.known:
+            return self.staged(refs, len(eqn.outvars))
+        _reject_nested_control_flow(eqn)
+        varying = frozenset().union(*(r.varying for r in refs))
+        branches = [_BranchSummary.of(self, b.jaxpr, ops, ctx) for b in eqn.params["branches"]]
+        out_known = [all(b.out_known[k] for b in branches) for k in range(len(eqn.outvars))]
+
+        # JAX merges residuals across branches by type: the i-th residual of a
+        # given aval in any branch shares one slot.
+        slot_of: dict[tuple[str, int], int] = {}
+        slot_avals: list = []
+        for b in branches:
+            for tag, aval in b.residual_tags():
+                if tag not in slot_of:
+                    slot_of[tag] = len(slot_avals)
+                    slot_avals.append(aval)
+        slots = self.virtual("cond_residuals", [], slot_avals, varying, ctx,
+                             mode=NodeMode.SAVE, source=jx.source_of(eqn)) if slot_avals else []
+
+        def needs(sink: int | None) -> tuple[set[int], int]:
+            vals, flops = {index.value} - {None}, 0
+            for b in branches:
+                res, operands, f = b.needs(sink)
+                vals |= {slots[slot_of[t]] for t in res}
+                vals |= {ops[i].value for i in operands if ops[i].value is not None}
+                flops = max(flops, f)
+            return vals, flops
+
+        tangent_vals, tangent_flops = needs(None)
+        tangent_outs: list[Ref] = []
+        if not all(out_known):
+            # The staged cond: what its branches read in the backward pass.
+            (marker,) = self.virtual("cond_backward", sorted(tangent_vals),
+                                     [jax.core.ShapedArray((), np.bool_)], frozenset(), ctx,
+                                     flops=tangent_flops * ctx.multiplier,
+                                     source=jx.source_of(eqn))
+            tangent_outs = self.staged([r for r in ops if not r.known],
+                                       len(out_known) - sum(out_known), [marker])
+        results = []
+        for k, var in enumerate(eqn.outvars):
+            if not out_known[k]:
+                results.append(tangent_outs.pop(0))
+                continue
+            vals, flops = needs(k)
+            (v,) = self.virtual("cond_output", sorted(vals), [var.aval], varying, ctx,
+                                flops=max(flops - tangent_flops, 0) * ctx.multiplier,
+                                source=jx.source_of(eqn))
+            results.append(Ref(v, True, varying))
+        return results
+
+    # ---- while: the policy is never consulted -----------------------------
+
+    def while_rule(self, eqn, refs: Sequence[Ref], ctx: Context) -> list[Ref]:
+        if not all(r.known for r in refs):
+            raise ExtractionError(
+                f"while_loop at {jx.source_of(eqn)} carries a differentiated value; JAX cannot "
+                "reverse-differentiate it. Use lax.scan or fori_loop with static bounds.")
+        # partial_eval keeps the loop in the forward pass and stages a full copy
+        # of it: its outputs are recomputed, never residuals.
+        varying = frozenset().union(*(r.varying for r in refs))
+        outs = self.virtual("while", [r.value for r in refs], [v.aval for v in eqn.outvars],
+                            varying, ctx, flops=eqn_flops(eqn) * ctx.multiplier,
+                            source=jx.source_of(eqn))
+        return [Ref(v, True, varying) for v in outs]
+
+
+RULES: dict[str, Callable[[_Walker, object, Sequence[Ref], Context], list[Ref]]] = {
+    "jit": _Walker.call_rule,
+    "pjit": _Walker.call_rule,
+    "closed_call": _Walker.call_rule,
+    "core_call": _Walker.call_rule,
+    "call": _Walker.call_rule,
+    "remat2": _Walker.call_rule,
+    "checkpoint": _Walker.call_rule,
+    "scan": _Walker.scan_rule,
+    "cond": _Walker.cond_rule,
+    "while": _Walker.while_rule,
+}
+
+
+def _reject_nested_control_flow(eqn) -> None:
+    for branch in eqn.params["branches"]:
+        for e in branch.jaxpr.eqns:
+            if e.primitive.name in ("scan", "cond", "while"):
+                raise ExtractionError(
+                    f"{e.primitive.name} inside a cond branch ({jx.source_of(eqn)}) is not "
+                    "supported: its residuals could not be predicted exactly")
+
+
+def _known_outputs(jaxpr: jx.Jaxpr, known_in: Sequence[bool]) -> list[bool]:
+    """Which outputs partial_eval will find known, without building anything."""
+    env = dict(zip(jaxpr.invars, known_in, strict=True))
+    env.update((v, True) for v in jaxpr.constvars)
+
+    def read(x) -> bool:
+        return True if isinstance(x, jx.Literal) else env[x]
+
+    for eqn in jaxpr.eqns:
+        ins = [read(x) for x in eqn.invars]
+        name = eqn.primitive.name
+        if name in ("jit", "pjit", "closed_call", "core_call", "call", "remat2", "checkpoint"):
+            inner = eqn.params.get("jaxpr", eqn.params.get("call_jaxpr"))
+            inner = inner.jaxpr if isinstance(inner, jx.ClosedJaxpr) else inner
+            outs = _known_outputs(inner, ins)
+        elif name == "scan":
+            p = eqn.params
+            nc, nk = p["num_consts"], p["num_carry"]
+            body = p["jaxpr"].jaxpr
+            carry = _scan_carry_known_flags(body, ins[:nc], ins[nc:nc + nk], ins[nc + nk:])
+            outs = _known_outputs(body, [*ins[:nc], *carry, *ins[nc + nk:]])
+            outs = [*carry, *outs[nk:]]
+        elif name == "cond":
+            if not ins[0]:
+                outs = [False] * len(eqn.outvars)
+            else:
+                per = [_known_outputs(b.jaxpr, ins[1:]) for b in eqn.params["branches"]]
+                outs = [all(col) for col in zip(*per, strict=True)]
+        else:
+            outs = [all(ins)] * len(eqn.outvars)
+        env.update(zip(eqn.outvars, outs, strict=True))
+    return [read(x) for x in jaxpr.outvars]
+
+
+def _scan_carry_known_flags(body, consts: Sequence[bool], init: Sequence[bool],
+                            xs: Sequence[bool]) -> list[bool]:
+    """The carry fixpoint of ``_scan_partial_eval_custom``."""
+    carry = list(init)
+    for _ in range(len(carry) + 1):
+        outs = _known_outputs(body, [*consts, *carry, *xs])
+        new = [c and o for c, o in zip(carry, outs[:len(carry)], strict=True)]
+        if new == carry:
+            return carry
+        carry = new
+    return carry
+
+
+def _scan_carry_known(body, consts: Sequence[Ref], init: Sequence[Ref],
+                      xs: Sequence[Ref]) -> list[bool]:
+    return _scan_carry_known_flags(body, [r.known for r in consts], [r.known for r in init],
+                                   [r.known for r in xs])
+
+
+@dataclass
+class _BranchSummary:
+    """One cond branch, partially evaluated under the fixed branch decision."""
+
+    graph: CostGraph
+    operand_inputs: dict[int, int]  # local input value position -> operand index
+    out_refs: list[Ref]
+    out_known: list[bool]
+    avals: list  # per local value
+    _tag_of: dict[int, tuple[str, int]] = field(default_factory=dict)
+
+    @classmethod
+    def of(cls, outer: _Walker, jaxpr: jx.Jaxpr, ops: Sequence[Ref], ctx: Context):
+        b = GraphBuilder()
+        walker = _Walker(b, outer.branch_decide, outer.branch_decide)
+        avals: list = []
+        ins, operand_inputs = [], {}
+        for i, (ref, var) in enumerate(zip(ops, jaxpr.invars, strict=True)):
+            if not ref.known:
+                ins.append(Ref(walker.tangents.node([], [], 1)[0], False))
+                continue
+            v = b.input(aval_bytes(var.aval), tuple(var.aval.shape), str(var.aval.dtype))
+            operand_inputs[v] = i
+            ins.append(Ref(v, True))
+        outs = walker.walk(jaxpr, ins, Context())
+        walker.finish(outs)
+        # Every equation the policy is asked about inside the branch is fixed:
+        # the same decision must hold wherever its key appears.
+        for key, mode in zip((n["key"] for n in b.nodes), (n["mode"] for n in b.nodes),
+                             strict=True):
+            if key and mode == NodeMode.SAVE:
+                outer.keys_forced_save.add(key)
+        outer.keys_forced_save |= walker.keys_forced_save
+        outer.branch_nodes.extend(n for n in b.nodes if n["key"])
+        outer.branch_nodes.extend(walker.branch_nodes)
+        avals = [jax.core.ShapedArray(tuple(shape), jax.numpy.dtype(dtype))
+                 for _, shape, dtype in b.values]
+        return cls(b.build(), operand_inputs, outs, [r.known for r in outs], avals)
+
+    def _sink(self, sink: int | None) -> list[int]:
+        if sink is None:
+            return list(self.graph.backward_reads)
+        ref = self.out_refs[sink]
+        return [] if ref.value is None else [ref.value]
+
+    def _residuals(self, sink: int | None):
+        g = self.graph.model_copy(update={"backward_reads": self._sink(sink)})
+        ev = evaluate(g, [True] * g.num_nodes)
+        produced = [v for v in ev.residuals if g.producer[v] is not None]
+        operands = sorted(self.operand_inputs[v] for v in ev.residuals if v in self.operand_inputs)
+        return produced, operands, ev.backward_flops
+
+    def residual_order(self) -> list[int]:
+        """Residual values in JAX's order: read by the backward pass, then outputs."""
+        order, _, _ = self._residuals(None)
+        for k in range(len(self.out_refs)):
+            if self.out_known[k]:
+                for v in self._residuals(k)[0]:
+                    if v not in order:
+                        order.append(v)
+        return order
+
+    def residual_tags(self) -> list[tuple[tuple[str, int], object]]:
+        counts: dict[str, int] = {}
+        tags = []
+        for v in self.residual_order():
+            text = f"{self.graph.value_dtype[v]}{self.graph.value_shape[v]}"
+            n = counts.get(text, 0)
+            counts[text] = n + 1
+            tags.append(((text, n), self.avals[v]))
+        self._tag_of = {v: t for v, (t, _) in zip(self.residual_order(), tags, strict=True)}
+        return tags
+
+    def needs(self, sink: int | None) -> tuple[list[tuple[str, int]], list[int], int]:
+        if sink is not None and not self.out_known[sink]:
+            return [], [], 0
+        produced, operands, flops = self._residuals(sink)
+        return [self._tag_of[v] for v in produced], operands, flops
+
+
+# ---- entry points ------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Traced:
+    """A function traced as ``jax.checkpoint`` traces it: flat, consts first."""
+
+    closed: jx.ClosedJaxpr  # consts converted to leading inputs
+    consts: list
+    in_tree: object
+    out_tree: object
+    num_consts: int
+    flat_args: list
+
+
+def trace(fun: Callable, args: Sequence, kwargs: dict) -> Traced:
+    flat_args, in_tree = jax.tree_util.tree_flatten((tuple(args), dict(kwargs)))
+    out_tree_box: list = []
+
+    def flat_fun(*leaves):
+        a, k = jax.tree_util.tree_unflatten(in_tree, leaves)
+        out = fun(*a, **k)
+        leaves_out, tree = jax.tree_util.tree_flatten(out)
+        out_tree_box.append(tree)
+        return leaves_out
+
+    closed = jax.make_jaxpr(flat_fun)(*flat_args)
+    return Traced(jx.close_with_consts_as_inputs(closed), list(closed.consts), in_tree,
+                  out_tree_box[-1], len(closed.consts), flat_args)
+
+
+def _differentiated(traced: Traced) -> list[bool]:
+    """Which inputs get tangents under ``jax.grad``/``vjp``: float arguments, not consts."""
+    avals = traced.closed.in_avals
+    return [False] * traced.num_consts + [
+        bool(jax.numpy.issubdtype(a.dtype, jax.numpy.inexact)) for a in avals[traced.num_consts:]
+    ]
+
+
+def graph_of_traced(traced: Traced, *, names: bool = False, name: str = "") -> CostGraph:
+    nonzeros = _differentiated(traced)
+    jvp, jvp_consts = jx.jvp_jaxpr(traced.closed, nonzeros)
+    b = GraphBuilder(name)
+    decide = decide_by_names if names else decide_by_policy
+    branch = decide_by_names_fixed if names else (lambda eqn: NodeMode.SAVE)
+    walker = _Walker(b, decide, branch)
+    refs: list[Ref] = []
+    for c in jvp_consts:
+        aval = jax.core.get_aval(c)
+        refs.append(Ref(b.input(aval_bytes(aval), tuple(aval.shape), str(aval.dtype)), True))
+    for aval in traced.closed.in_avals:
+        refs.append(Ref(b.input(aval_bytes(aval), tuple(aval.shape), str(aval.dtype)), True))
+    refs.extend(Ref(t, False) for t in walker.tangents.node([], [], sum(nonzeros)))
+    walker.finish(walker.walk(jvp, refs, Context()))
+    # Equations inside cond branches are offered to the policy too; they appear
+    # as fixed nodes whose outputs nothing reads, so the plan's policy knows
+    # their keys, and every node sharing such a key takes the same decision.
+    for n in walker.branch_nodes:
+        b.node(n["primitive"], [], [b.value(0)], key=n["key"], flops=0, mode=n["mode"],
+               repeat=n["repeat"], source=n["source"])
+    for n in b.nodes:
+        if n["key"] in walker.keys_forced_save:
+            n["mode"] = NodeMode.SAVE
+    return b.build()
+
+
+def decide_by_names_fixed(eqn) -> NodeMode:
+    """Inside cond branches a names policy saves exactly the named values."""
+    return NodeMode.SAVE if eqn.primitive is jx.name_p else NodeMode.RECOMPUTE
+
+
+def extract_graph(fun: Callable, *args, **kwargs) -> CostGraph:
+    """The cost graph of ``jax.checkpoint(fun)`` differentiated at ``args``.
+
+    Float arguments are differentiated, integer ones are not, as with
+    ``jax.grad``. Example::
+
+        >>> import jax.numpy as jnp
+        >>> g = extract_graph(lambda x: jnp.sin(jnp.sin(x)).sum(), jnp.ones(4))
+        >>> sorted(set(g.node_primitive))
+        ['cos', 'reduce_sum', 'sin']
+    """
+    name = getattr(fun, "__qualname__", getattr(fun, "__name__", ""))
+    return graph_of_traced(trace(fun, args, kwargs), name=name)
