@@ -127,6 +127,7 @@ class _Walker:
     keys_forced_save: set[str] = field(default_factory=set)
     branch_nodes: list[dict] = field(default_factory=list)  # offered to the policy in conds
     tangents: _TangentGraph = field(default_factory=_TangentGraph)
+    names_by_key: dict[str, str] = field(default_factory=dict)  # checkpoint_name equations
 
     # ---- values and nodes -------------------------------------------------
 
@@ -194,6 +195,8 @@ class _Walker:
         if jx.has_effects(eqn):  # always kept in the forward pass, whatever the policy says
             return self.node(eqn, refs, ctx, NodeMode.SAVE, "", flops)
         key = policy_key(eqn.primitive, [x.aval for x in eqn.invars], eqn.params)
+        if eqn.primitive is jx.name_p:
+            self.names_by_key[key] = eqn.params["name"]
         return self.node(eqn, refs, ctx, self.decide(eqn), key, flops)
 
     # ---- rules: call-like primitives are flattened --------------------------
@@ -437,6 +440,7 @@ class _BranchSummary:
         outer.keys_forced_save |= walker.keys_forced_save
         outer.branch_nodes.extend(n for n in b.nodes if n["key"])
         outer.branch_nodes.extend(walker.branch_nodes)
+        outer.names_by_key.update(walker.names_by_key)
         avals = [jax.core.ShapedArray(tuple(shape), jax.numpy.dtype(dtype))
                  for _, shape, dtype in b.values]
         return cls(b.build(), operand_inputs, outs, [r.known for r in outs], avals)
@@ -490,6 +494,7 @@ class Traced:
     """A function traced as ``jax.checkpoint`` traces it: flat, consts first."""
 
     closed: jx.ClosedJaxpr  # consts converted to leading inputs
+    open_jaxpr: jx.Jaxpr  # the same with consts as constvars
     consts: list
     in_tree: object
     out_tree: object
@@ -509,7 +514,8 @@ def trace(fun: Callable, args: Sequence, kwargs: dict) -> Traced:
         return leaves_out
 
     closed = jax.make_jaxpr(flat_fun)(*flat_args)
-    return Traced(jx.close_with_consts_as_inputs(closed), list(closed.consts), in_tree,
+    return Traced(jx.close_with_consts_as_inputs(closed), closed.jaxpr, list(closed.consts),
+                  in_tree,
                   out_tree_box[-1], len(closed.consts), flat_args)
 
 
@@ -521,7 +527,14 @@ def _differentiated(traced: Traced) -> list[bool]:
     ]
 
 
-def graph_of_traced(traced: Traced, *, names: bool = False, name: str = "") -> CostGraph:
+@dataclass(frozen=True)
+class Extraction:
+    graph: CostGraph
+    names_by_key: dict[str, str]  # policy key -> checkpoint name, for names graphs
+
+
+def graph_of_traced(traced: Traced, *, names: bool = False, name: str = "") -> Extraction:
+    """The cost graph of ``traced``; with ``names``, as ``save_only_these_names`` sees it."""
     nonzeros = _differentiated(traced)
     jvp, jvp_consts = jx.jvp_jaxpr(traced.closed, nonzeros)
     b = GraphBuilder(name)
@@ -545,7 +558,7 @@ def graph_of_traced(traced: Traced, *, names: bool = False, name: str = "") -> C
     for n in b.nodes:
         if n["key"] in walker.keys_forced_save:
             n["mode"] = NodeMode.SAVE
-    return b.build()
+    return Extraction(b.build(), dict(walker.names_by_key))
 
 
 def decide_by_names_fixed(eqn) -> NodeMode:
@@ -565,4 +578,4 @@ def extract_graph(fun: Callable, *args, **kwargs) -> CostGraph:
         ['cos', 'reduce_sum', 'sin']
     """
     name = getattr(fun, "__qualname__", getattr(fun, "__name__", ""))
-    return graph_of_traced(trace(fun, args, kwargs), name=name)
+    return graph_of_traced(trace(fun, args, kwargs), name=name).graph

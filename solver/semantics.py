@@ -19,6 +19,7 @@ class Evaluation:
     backward_flops: int  # FLOPs of every node that runs in the backward pass
     residuals: tuple[int, ...]  # value positions
     active: tuple[int, ...]  # node positions that run in the backward pass
+    needed: tuple[int, ...] = ()  # value positions the backward pass needs (residual or rebuilt)
 
 
 def effective_saves(graph: CostGraph, saved: Sequence[bool]) -> list[bool]:
@@ -32,7 +33,10 @@ def effective_saves(graph: CostGraph, saved: Sequence[bool]) -> list[bool]:
 
 def evaluate(graph: CostGraph, saved: Sequence[bool]) -> Evaluation:
     """Residuals and backward FLOPs when node ``n`` is saved iff ``saved[n]``."""
-    save = effective_saves(graph, saved)
+    return _propagate(graph, effective_saves(graph, saved))
+
+
+def _propagate(graph: CostGraph, save: Sequence[bool]) -> Evaluation:
     producer = graph.producer
     carry_of: dict[int, list[int]] = {}
     for cin, cout in zip(graph.carry_in, graph.carry_out, strict=True):
@@ -60,16 +64,21 @@ def evaluate(graph: CostGraph, saved: Sequence[bool]) -> Evaluation:
         backward_flops=sum(graph.node_flops[n] for n in active_nodes),
         residuals=residuals,
         active=active_nodes,
+        needed=tuple(v for v in range(graph.num_values) if needed[v]),
     )
 
 
 def baseline_backward_flops(graph: CostGraph) -> int:
-    """Backward FLOPs with every free node saved (JAX's ``everything_saveable``).
+    """Backward FLOPs under JAX's ``everything_saveable``.
 
-    Recompute FLOPs of a plan are its backward FLOPs minus this: the work the
-    plan adds over saving everything.
+    That policy saves every equation it is offered (every node with a key, even
+    one a names policy would force to recompute); nodes without a key are fixed
+    by JAX itself and stay as they are. Recompute FLOPs of a plan are its
+    backward FLOPs minus this: the work the plan adds over saving everything.
     """
-    return evaluate(graph, [True] * graph.num_nodes).backward_flops
+    save = [bool(key) or mode != NodeMode.RECOMPUTE
+            for key, mode in zip(graph.node_key, graph.node_mode, strict=True)]
+    return _propagate(graph, save).backward_flops
 
 
 def recompute_flops(graph: CostGraph, saved: Sequence[bool]) -> int:

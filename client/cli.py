@@ -1,0 +1,59 @@
+"""The ``optiremat`` command line.
+
+Each subcommand imports what it needs when it runs, so ``optiremat serve`` never
+loads JAX and ``optiremat --help`` stays instant.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Callable
+
+
+def _serve(args: argparse.Namespace) -> int:
+    from pydantic import ValidationError
+
+    from service.config import Settings
+    from service.main import serve
+
+    overrides = {name: value for name, value in (("host", args.host), ("port", args.port))
+                 if value is not None}
+    try:
+        settings = Settings(**overrides)
+    except ValidationError as exc:
+        print(f"optiremat serve: invalid settings (OPTIREMAT_* variables or flags):\n{exc}",
+              file=sys.stderr)
+        return 2
+    serve(settings)
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="optiremat",
+        description="Optimal activation checkpointing for JAX.",
+    )
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    serve = commands.add_parser(
+        "serve",
+        help="run the REST service",
+        description="Run the REST service (one process, worker processes, SQLite under "
+                    "OPTIREMAT_DATA_DIR). Other settings come from OPTIREMAT_* variables; "
+                    "see docs/service.md.",
+    )
+    serve.add_argument("--host", help="interface to bind (default: OPTIREMAT_HOST, 127.0.0.1)")
+    serve.add_argument("--port", type=int, help="port (default: OPTIREMAT_PORT, 8000)")
+    serve.set_defaults(run=_serve)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    run: Callable[[argparse.Namespace], int] = args.run
+    return run(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

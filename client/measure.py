@@ -1,0 +1,54 @@
+"""What JAX actually does with a policy: the ground truth plans are checked against."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import jax
+
+from client import _jax_internals as jx
+from client.cost_model import aval_bytes, jaxpr_flops
+
+
+@dataclass(frozen=True)
+class Residual:
+    shape: tuple[int, ...]
+    dtype: str
+    bytes: int
+    source: str
+
+
+def saved_residuals(checkpointed: Callable, *args, **kwargs) -> list[Residual]:
+    """``jax.ad_checkpoint.saved_residuals``, with sizes."""
+    return [
+        Residual(tuple(a.shape), str(a.dtype), aval_bytes(a), src)
+        for a, src in jx.saved_residuals(checkpointed, *args, **kwargs)
+    ]
+
+
+def residual_bytes(checkpointed: Callable, *args, **kwargs) -> int:
+    return sum(r.bytes for r in saved_residuals(checkpointed, *args, **kwargs))
+
+
+def _backward(checkpointed: Callable, args, kwargs):
+    out, vjp_fn = jax.vjp(lambda *a: checkpointed(*a, **kwargs), *args)
+    cotangent = jax.tree_util.tree_map(jax.numpy.ones_like, out)
+    return vjp_fn, cotangent
+
+
+def backward_flops(checkpointed: Callable, *args, **kwargs) -> int:
+    """FLOPs of the backward pass's jaxpr, counted with the project's cost model."""
+    vjp_fn, ct = _backward(checkpointed, args, kwargs)
+    return jaxpr_flops(jax.make_jaxpr(vjp_fn)(ct).jaxpr)
+
+
+def xla_backward_flops(checkpointed: Callable, *args, **kwargs) -> float | None:
+    """XLA's ``cost_analysis()`` FLOPs of the compiled backward pass, where it reports them."""
+    vjp_fn, ct = _backward(checkpointed, args, kwargs)
+    analysis = jax.jit(vjp_fn).lower(ct).compile().cost_analysis()
+    if isinstance(analysis, list):
+        analysis = analysis[0] if analysis else None
+    if not analysis or "flops" not in analysis:
+        return None
+    return float(analysis["flops"])

@@ -1,0 +1,214 @@
+"""``optimize``: from a JAX function and a budget to a checkpointing Plan."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from functools import cached_property
+from typing import Any
+
+import jax
+
+from client.extract import Traced, graph_of_traced, trace
+from client.measure import Residual, backward_flops, saved_residuals
+from client.names import tag_every_value
+from client.policy import KeyPolicy
+from solver.graph import CostGraph
+from solver.solution import Solution
+from solver.solve import solve
+from solver.units import parse_bytes
+
+
+class PlanError(RuntimeError):
+    """A plan used in a way it cannot honour exactly."""
+
+
+@dataclass(frozen=True)
+class NamesForm:
+    """``jax.checkpoint(fun, policy=policy)`` saves exactly ``names``."""
+
+    fun: Callable  # the user's function with checkpoint_name on every savable value
+    names: frozenset[str]
+    graph: CostGraph
+    solution: Solution
+
+    @property
+    def policy(self):
+        return jax.checkpoint_policies.save_only_these_names(*sorted(self.names))
+
+    @property
+    def residual_bytes(self) -> int:
+        return self.solution.residual_bytes
+
+    @property
+    def recompute_flops(self) -> int:
+        return self.solution.recompute_flops
+
+    def checkpoint(self) -> Callable:
+        return jax.checkpoint(self.fun, policy=self.policy)
+
+
+@dataclass(frozen=True)
+class Verification:
+    """A plan's prediction next to what ``saved_residuals`` reports."""
+
+    predicted_bytes: int
+    measured_bytes: int
+    budget_bytes: int
+    residuals: list[Residual]
+    predicted_recompute_flops: int | None = None
+    measured_recompute_flops: int | None = None
+
+    @property
+    def exact(self) -> bool:
+        flops_ok = (self.measured_recompute_flops is None
+                    or self.measured_recompute_flops == self.predicted_recompute_flops)
+        return self.predicted_bytes == self.measured_bytes and flops_ok
+
+    @property
+    def within_budget(self) -> bool:
+        return self.measured_bytes <= self.budget_bytes
+
+
+def _names_form(traced: Traced, budget_bytes: int, options: dict) -> NamesForm:
+    tagged = tag_every_value(traced)
+    extraction = graph_of_traced(trace(tagged, traced_args(traced), {}), names=True)
+    solution = solve(extraction.graph, budget_bytes, **{**options, "tie": False})
+    saved = {extraction.graph.node_key[n] for n, d in enumerate(solution.node_decisions)
+             if d == "save" and extraction.graph.node_key[n] in extraction.names_by_key}
+    names = frozenset(extraction.names_by_key[k] for k in saved)
+    return NamesForm(tagged, names, extraction.graph, solution)
+
+
+def traced_args(traced: Traced) -> tuple:
+    args, kwargs = jax.tree_util.tree_unflatten(traced.in_tree, traced.flat_args)
+    if kwargs:
+        raise PlanError("the names form takes positional arguments only")
+    return args
+
+
+@dataclass
+class Plan:
+    """A solved checkpointing plan for one function, argument shapes and budget.
+
+    ``policy`` goes straight into ``jax.checkpoint``; ``names`` is the same plan
+    written with ``checkpoint_name``. Untied plans (``tie=False``) exist only in
+    the names form.
+    """
+
+    graph: CostGraph
+    solution: Solution
+    traced: Traced = field(repr=False)
+    options: dict[str, Any] = field(default_factory=dict, repr=False)
+    _names: NamesForm | None = field(default=None, repr=False)
+
+    # ---- predictions ------------------------------------------------------
+
+    @property
+    def tied(self) -> bool:
+        return self.solution.options.tie and self._names is None
+
+    @property
+    def status(self) -> str:
+        return str(self.solution.status)
+
+    @property
+    def budget_bytes(self) -> int:
+        return self.solution.budget_bytes
+
+    @property
+    def residual_bytes(self) -> int:
+        return self.solution.residual_bytes
+
+    @property
+    def recompute_flops(self) -> int:
+        return self.solution.recompute_flops
+
+    @property
+    def lower_bound_flops(self) -> int:
+        return self.solution.lower_bound_flops
+
+    # ---- the two forms ----------------------------------------------------
+
+    @cached_property
+    def saved_keys(self) -> frozenset[str]:
+        g = self.graph
+        return frozenset(g.node_key[n] for n, d in enumerate(self.solution.node_decisions)
+                         if d == "save" and g.node_key[n])
+
+    @property
+    def policy(self) -> KeyPolicy:
+        if not self.tied:
+            raise PlanError(
+                "this plan decides equations one by one (tie=False), which a stateless policy "
+                "cannot express: it sees only (primitive, shapes, params). Use plan.checkpoint() "
+                "or plan.names.fun with plan.names.policy.")
+        return KeyPolicy(self.saved_keys)
+
+    @property
+    def names(self) -> NamesForm:
+        """The names form, solved at this plan's budget (built on first use)."""
+        if self._names is None:
+            self._names = _names_form(self.traced, self.budget_bytes, self.options)
+        return self._names
+
+    @property
+    def names_policy(self):
+        return self.names.policy
+
+    def checkpoint(self, fun: Callable | None = None) -> Callable:
+        """``jax.checkpoint`` with this plan; untied plans use the names form."""
+        if self.tied:
+            if fun is None:
+                raise PlanError("pass the function to checkpoint: plan.checkpoint(fun)")
+            return jax.checkpoint(fun, policy=self.policy)
+        return self.names.checkpoint()
+
+    # ---- checking ---------------------------------------------------------
+
+    def verify(self, fun: Callable | None = None, *args, flops: bool = False,
+               **kwargs) -> Verification:
+        """Compare the prediction with ``saved_residuals`` (and, with ``flops``, the
+        backward pass's FLOPs beyond ``everything_saveable``)."""
+        checkpointed = self.checkpoint(fun)
+        if not args and not kwargs:
+            args = traced_args(self.traced)
+        residuals = saved_residuals(checkpointed, *args, **kwargs)
+        measured_flops = None
+        if flops:
+            base_fun = fun if self.tied else self.names.fun
+            everything = jax.checkpoint(base_fun,
+                                        policy=jax.checkpoint_policies.everything_saveable)
+            measured_flops = (backward_flops(checkpointed, *args, **kwargs)
+                              - backward_flops(everything, *args, **kwargs))
+        predicted = self.residual_bytes if self.tied else self.names.residual_bytes
+        predicted_flops = self.recompute_flops if self.tied else self.names.recompute_flops
+        return Verification(predicted, sum(r.bytes for r in residuals), self.budget_bytes,
+                            residuals, predicted_flops, measured_flops)
+
+
+def optimize(fun: Callable, *args, budget: int | str, tie: bool = True, **options) -> Plan:
+    """Solve for the checkpointing plan of ``fun`` at ``args`` under ``budget``.
+
+    ``budget`` is bytes of residuals, an int or a string like ``"12MiB"``.
+    ``options`` are ``solver.SolveOptions`` fields (``time_limit_s``,
+    ``relative_gap``, ``backend``). Keyword arguments of ``fun`` itself are not
+    taken here: bind them with ``functools.partial``.
+
+    Example::
+
+        >>> import jax, jax.numpy as jnp
+        >>> f = lambda x, w: jnp.sum(jnp.tanh(jnp.tanh(x @ w) @ w))
+        >>> x, w = jnp.ones((4, 8)), jnp.ones((8, 8))
+        >>> plan = optimize(f, x, w, budget="1KiB")
+        >>> plan.verify(f, x, w).exact
+        True
+    """
+    budget_bytes = parse_bytes(budget)
+    traced = trace(fun, args, {})
+    if tie:
+        graph = graph_of_traced(traced, name=getattr(fun, "__qualname__", "")).graph
+        solution = solve(graph, budget_bytes, tie=True, **options)
+        return Plan(graph, solution, traced, dict(options))
+    names = _names_form(traced, budget_bytes, dict(options))
+    return Plan(names.graph, names.solution, traced, dict(options), names)
