@@ -6,7 +6,7 @@ backward jaxpr with it, so plan predictions and measurements use one scale.
 | primitive family | FLOPs |
 |---|---|
 | ``dot_general`` | 2 x output elements x contracted size |
-| ``conv_general_dilated`` | 2 x output elements x (kernel elements / output features) |
+| ``conv_general_dilated`` | 2 x multiply-adds on real (unpadded) input |
 | elementwise arithmetic, comparisons, selects, casts | 1 per output element |
 | transcendentals (``exp``, ``tanh``, ``erf``, ...) | 1 per output element |
 | reductions, ``argmax``/``argmin`` | 1 per input element |
@@ -63,12 +63,33 @@ def _dot_general(eqn: core.JaxprEqn) -> int:
     return 2 * _out_size(eqn) * int(contracted)
 
 
+def _valid_taps(in_size: int, out_size: int, k_size: int, stride: int, pad_lo: int,
+                lhs_dil: int, rhs_dil: int) -> int:
+    """(output position, kernel tap) pairs that land on real input, not padding."""
+    count = 0
+    for o in range(out_size):
+        for k in range(k_size):
+            pos = o * stride - pad_lo + k * rhs_dil  # in the dilated, padded input
+            if 0 <= pos <= (in_size - 1) * lhs_dil and pos % lhs_dil == 0:
+                count += 1
+    return count
+
+
 def _conv(eqn: core.JaxprEqn) -> int:
-    rhs = eqn.invars[1].aval
-    dn = eqn.params["dimension_numbers"]
-    out_feature_dim = dn.rhs_spec[0] if dn is not None else 0
-    per_output = _size(rhs) // max(rhs.shape[out_feature_dim], 1)
-    return 2 * _out_size(eqn) * per_output
+    """2 x multiply-adds that touch real input (padding excluded, as XLA counts)."""
+    lhs, rhs = eqn.invars[0].aval, eqn.invars[1].aval
+    out = eqn.outvars[0].aval
+    p = eqn.params
+    dn = p["dimension_numbers"]
+    lhs_spec, rhs_spec, out_spec = dn.lhs_spec, dn.rhs_spec, dn.out_spec
+    macs = out.shape[out_spec[0]] * out.shape[out_spec[1]] * rhs.shape[rhs_spec[1]]
+    macs //= max(p.get("batch_group_count", 1), 1)
+    for i in range(len(lhs_spec) - 2):
+        macs *= _valid_taps(
+            lhs.shape[lhs_spec[2 + i]], out.shape[out_spec[2 + i]], rhs.shape[rhs_spec[2 + i]],
+            p["window_strides"][i], p["padding"][i][0], p["lhs_dilation"][i],
+            p["rhs_dilation"][i])
+    return 2 * macs
 
 
 def _sort(eqn: core.JaxprEqn) -> int:

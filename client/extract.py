@@ -150,10 +150,15 @@ class _Walker:
 
     def virtual(self, name: str, inputs: Sequence[int | None], out_avals: Sequence,
                 varying: frozenset[int], ctx: Context, *, mode: NodeMode = NodeMode.RECOMPUTE,
-                flops: int = 0, source: str = "") -> list[int]:
-        """A node no policy decides: JAX's rule fixes what it does."""
+                flops: int = 0, source: str = "", key: str = "") -> list[int]:
+        """A node no policy decides: JAX's rule fixes what it does.
+
+        A ``key`` marks work that exists only because of the policy (a cond
+        branch recomputed under a names policy): ``everything_saveable``, the
+        FLOPs baseline, would have saved it.
+        """
         outs = [self.new_value(a, varying, ctx) for a in out_avals]
-        self.builder.node(name, sorted({v for v in inputs if v is not None}), outs, key="",
+        self.builder.node(name, sorted({v for v in inputs if v is not None}), outs, key=key,
                           flops=flops, mode=mode, repeat=ctx.multiplier, source=source)
         return outs
 
@@ -297,7 +302,7 @@ class _Walker:
             # The staged cond: what its branches read in the backward pass.
             (marker,) = self.virtual("cond_backward", sorted(tangent_vals),
                                      [jax.core.ShapedArray((), np.bool_)], frozenset(), ctx,
-                                     flops=tangent_flops * ctx.multiplier,
+                                     flops=tangent_flops * ctx.multiplier, key="cond_backward",
                                      source=jx.source_of(eqn))
             tangent_outs = self.staged([r for r in ops if not r.known],
                                        len(out_known) - sum(out_known), [marker])
@@ -308,6 +313,7 @@ class _Walker:
                 continue
             vals, flops = needs(k)
             (v,) = self.virtual("cond_output", sorted(vals), [var.aval], varying, ctx,
+                                key="cond_output",
                                 flops=max(flops - tangent_flops, 0) * ctx.multiplier,
                                 source=jx.source_of(eqn))
             results.append(Ref(v, True, varying))

@@ -32,21 +32,26 @@ def residual_bytes(checkpointed: Callable, *args, **kwargs) -> int:
 
 
 def _backward(checkpointed: Callable, args, kwargs):
-    out, vjp_fn = jax.vjp(lambda *a: checkpointed(*a, **kwargs), *args)
-    cotangent = jax.tree_util.tree_map(jax.numpy.ones_like, out)
-    return vjp_fn, cotangent
+    """The VJP function and a cotangent, abstractly: nothing is compiled or run."""
+    out, vjp_fn = jax.eval_shape(
+        lambda *a: jax.vjp(lambda *b: checkpointed(*b, **kwargs), *a), *args)
+    return vjp_fn, out
+
+
+def _apply(vjp_fn, cotangent):
+    return vjp_fn(cotangent)
 
 
 def backward_flops(checkpointed: Callable, *args, **kwargs) -> int:
     """FLOPs of the backward pass's jaxpr, counted with the project's cost model."""
     vjp_fn, ct = _backward(checkpointed, args, kwargs)
-    return jaxpr_flops(jax.make_jaxpr(vjp_fn)(ct).jaxpr)
+    return jaxpr_flops(jax.make_jaxpr(_apply)(vjp_fn, ct).jaxpr)
 
 
 def xla_backward_flops(checkpointed: Callable, *args, **kwargs) -> float | None:
     """XLA's ``cost_analysis()`` FLOPs of the compiled backward pass, where it reports them."""
     vjp_fn, ct = _backward(checkpointed, args, kwargs)
-    analysis = jax.jit(vjp_fn).lower(ct).compile().cost_analysis()
+    analysis = jax.jit(_apply).lower(vjp_fn, ct).compile().cost_analysis()
     if isinstance(analysis, list):
         analysis = analysis[0] if analysis else None
     if not analysis or "flops" not in analysis:
