@@ -122,12 +122,14 @@ def decide_by_names(eqn: jx.core.JaxprEqn) -> NodeMode:
 class _Walker:
     builder: GraphBuilder
     decide: Decide
-    branch_decide: Decide  # the fixed decision inside cond branches
+    branch_decide: Decide | None  # fixed decision inside cond branches; None: solver picks
     next_loop: int = 0
     keys_forced_save: set[str] = field(default_factory=set)
     branch_nodes: list[dict] = field(default_factory=list)  # offered to the policy in conds
     tangents: _TangentGraph = field(default_factory=_TangentGraph)
     names_by_key: dict[str, str] = field(default_factory=dict)  # checkpoint_name equations
+    tie_groups: list[set[str]] = field(default_factory=list)  # keys that share one decision
+    next_cond: int = 0
 
     # ---- values and nodes -------------------------------------------------
 
@@ -267,43 +269,82 @@ class _Walker:
     # ---- cond: branches under a fixed decision ----------------------------
 
     def cond_rule(self, eqn, refs: Sequence[Ref], ctx: Context) -> list[Ref]:
+        """The staged cond reads merged branch residuals, or recomputes its branches.
+
+        A stateless policy gives every branch equation the decision of its key.
+        Tied graphs offer the solver two configurations per cond, tied to one
+        decision together with every key inside the branches: all saved (the
+        residuals merged across branches as JAX merges them) or all recomputed
+        (the staged branches rerun from the operands). Names graphs fix the
+        branches to what a names policy does: names saved, the rest recomputed.
+        """
         index, ops = refs[0], refs[1:]
         if not index.known:
             return self.staged(refs, len(eqn.outvars))
         _reject_nested_control_flow(eqn)
+        tied = self.branch_decide is None
         varying = frozenset().union(*(r.varying for r in refs))
-        branches = [_BranchSummary.of(self, b.jaxpr, ops, ctx) for b in eqn.params["branches"]]
-        out_known = [all(b.out_known[k] for b in branches) for k in range(len(eqn.outvars))]
+        fixed = _fixed_save if tied else self.branch_decide
+        saved = [_BranchSummary.of(b.jaxpr, ops, fixed) for b in eqn.params["branches"]]
+        out_known = [all(b.out_known[k] for b in saved) for k in range(len(eqn.outvars))]
+        sinks = [None, *(k for k, known in enumerate(out_known) if known)]
+        source = jx.source_of(eqn)
 
         # JAX merges residuals across branches by type: the i-th residual of a
         # given aval in any branch shares one slot.
         slot_of: dict[tuple[str, int], int] = {}
         slot_avals: list = []
-        for b in branches:
+        for b in saved:
             for tag, aval in b.residual_tags():
                 if tag not in slot_of:
                     slot_of[tag] = len(slot_avals)
                     slot_avals.append(aval)
-        slots = self.virtual("cond_residuals", [], slot_avals, varying, ctx,
-                             mode=NodeMode.SAVE, source=jx.source_of(eqn)) if slot_avals else []
 
-        def needs(sink: int | None) -> tuple[set[int], int]:
-            vals, flops = {index.value} - {None}, 0
-            for b in branches:
+        token = None
+        if tied:
+            recomputed = [_BranchSummary.of(b.jaxpr, ops, _fixed_recompute)
+                          for b in eqn.params["branches"]]
+            operands, flops = set(), 0
+            for b in recomputed:
+                ops_b, flops_b = b.needs_all(sinks)
+                operands |= {ops[i].value for i in ops_b}
+                flops = max(flops, flops_b)
+            key = f"cond-branches:{self.next_cond}"
+            self.next_cond += 1
+            self.tie_groups.append({key, *(k for b in saved for k in b.keys)})
+            slots = self.virtual("cond_branches", sorted(operands - {None}), slot_avals, varying,
+                                 ctx, mode=NodeMode.FREE, flops=flops * ctx.multiplier,
+                                 source=source, key=key)
+            # A zero-byte output every reader takes, so that recomputing the
+            # branches is charged even when no residual slot exists.
+            token = self.builder.value(0, (), "token")
+            self.builder.nodes[-1]["outputs"].append(token)
+        else:
+            for b in saved:
+                self.branch_nodes.extend(b.keyed_nodes)
+                self.names_by_key.update(b.names_by_key)
+                self.keys_forced_save.update(b.keys_forced_save)
+            slots = self.virtual("cond_residuals", [], slot_avals, varying, ctx,
+                                 mode=NodeMode.SAVE, source=source) if slot_avals else []
+
+        def needs(sink: int | None) -> tuple[list[int], int]:
+            vals, flops = {index.value, token} - {None}, 0
+            for b in saved:
                 res, operands, f = b.needs(sink)
                 vals |= {slots[slot_of[t]] for t in res}
                 vals |= {ops[i].value for i in operands if ops[i].value is not None}
                 flops = max(flops, f)
-            return vals, flops
+            return sorted(vals), flops
 
+        # Work a names policy makes the staged branches redo carries a key:
+        # everything_saveable, the FLOPs baseline, would have saved it.
         tangent_vals, tangent_flops = needs(None)
         tangent_outs: list[Ref] = []
         if not all(out_known):
-            # The staged cond: what its branches read in the backward pass.
-            (marker,) = self.virtual("cond_backward", sorted(tangent_vals),
+            (marker,) = self.virtual("cond_backward", tangent_vals,
                                      [jax.core.ShapedArray((), np.bool_)], frozenset(), ctx,
-                                     flops=tangent_flops * ctx.multiplier, key="cond_backward",
-                                     source=jx.source_of(eqn))
+                                     flops=tangent_flops * ctx.multiplier,
+                                     key="" if tied else "cond_backward", source=source)
             tangent_outs = self.staged([r for r in ops if not r.known],
                                        len(out_known) - sum(out_known), [marker])
         results = []
@@ -312,10 +353,9 @@ class _Walker:
                 results.append(tangent_outs.pop(0))
                 continue
             vals, flops = needs(k)
-            (v,) = self.virtual("cond_output", sorted(vals), [var.aval], varying, ctx,
-                                key="cond_output",
+            (v,) = self.virtual("cond_output", vals, [var.aval], varying, ctx,
                                 flops=max(flops - tangent_flops, 0) * ctx.multiplier,
-                                source=jx.source_of(eqn))
+                                key="" if tied else "cond_output", source=source)
             results.append(Ref(v, True, varying))
         return results
 
@@ -420,13 +460,15 @@ class _BranchSummary:
     out_refs: list[Ref]
     out_known: list[bool]
     avals: list  # per local value
+    keyed_nodes: list[dict] = field(default_factory=list)  # equations the policy is offered
+    keys_forced_save: set[str] = field(default_factory=set)
+    names_by_key: dict[str, str] = field(default_factory=dict)
     _tag_of: dict[int, tuple[str, int]] = field(default_factory=dict)
 
     @classmethod
-    def of(cls, outer: _Walker, jaxpr: jx.Jaxpr, ops: Sequence[Ref], ctx: Context):
+    def of(cls, jaxpr: jx.Jaxpr, ops: Sequence[Ref], decide: Decide) -> _BranchSummary:
         b = GraphBuilder()
-        walker = _Walker(b, outer.branch_decide, outer.branch_decide)
-        avals: list = []
+        walker = _Walker(b, decide, decide)
         ins, operand_inputs = [], {}
         for i, (ref, var) in enumerate(zip(ops, jaxpr.invars, strict=True)):
             if not ref.known:
@@ -437,19 +479,17 @@ class _BranchSummary:
             ins.append(Ref(v, True))
         outs = walker.walk(jaxpr, ins, Context())
         walker.finish(outs)
-        # Every equation the policy is asked about inside the branch is fixed:
-        # the same decision must hold wherever its key appears.
-        for key, mode in zip((n["key"] for n in b.nodes), (n["mode"] for n in b.nodes),
-                             strict=True):
-            if key and mode == NodeMode.SAVE:
-                outer.keys_forced_save.add(key)
-        outer.keys_forced_save |= walker.keys_forced_save
-        outer.branch_nodes.extend(n for n in b.nodes if n["key"])
-        outer.branch_nodes.extend(walker.branch_nodes)
-        outer.names_by_key.update(walker.names_by_key)
+        keyed = [n for n in b.nodes if n["key"]]
+        forced = {n["key"] for n in keyed if n["mode"] == NodeMode.SAVE}
         avals = [jax.core.ShapedArray(tuple(shape), jax.numpy.dtype(dtype))
                  for _, shape, dtype in b.values]
-        return cls(b.build(), operand_inputs, outs, [r.known for r in outs], avals)
+        return cls(b.build(), operand_inputs, outs, [r.known for r in outs], avals,
+                   keyed_nodes=keyed, keys_forced_save=forced,
+                   names_by_key=dict(walker.names_by_key))
+
+    @property
+    def keys(self) -> set[str]:
+        return {n["key"] for n in self.keyed_nodes}
 
     def _sink(self, sink: int | None) -> list[int]:
         if sink is None:
@@ -484,6 +524,15 @@ class _BranchSummary:
             tags.append(((text, n), self.avals[v]))
         self._tag_of = {v: t for v, (t, _) in zip(self.residual_order(), tags, strict=True)}
         return tags
+
+    def needs_all(self, sinks: Sequence[int | None]) -> tuple[set[int], int]:
+        """Operands and FLOPs of rebuilding every sink at once."""
+        reads = sorted({v for sink in sinks if sink is None or self.out_known[sink]
+                        for v in self._sink(sink)})
+        g = self.graph.model_copy(update={"backward_reads": reads})
+        ev = evaluate(g, [False] * g.num_nodes)
+        return {self.operand_inputs[v] for v in ev.residuals if v in self.operand_inputs}, \
+            ev.backward_flops
 
     def needs(self, sink: int | None) -> tuple[list[tuple[str, int]], list[int], int]:
         if sink is not None and not self.out_known[sink]:
@@ -537,6 +586,9 @@ def _differentiated(traced: Traced) -> list[bool]:
 class Extraction:
     graph: CostGraph
     names_by_key: dict[str, str]  # policy key -> checkpoint name, for names graphs
+    # A node key standing for several policy keys that must share a decision
+    # (every key inside a cond's branches): representative -> the keys.
+    key_aliases: dict[str, frozenset[str]] = field(default_factory=dict)
 
 
 def graph_of_traced(traced: Traced, *, names: bool = False, name: str = "") -> Extraction:
@@ -545,8 +597,7 @@ def graph_of_traced(traced: Traced, *, names: bool = False, name: str = "") -> E
     jvp, jvp_consts = jx.jvp_jaxpr(traced.closed, nonzeros)
     b = GraphBuilder(name)
     decide = decide_by_names if names else decide_by_policy
-    branch = decide_by_names_fixed if names else (lambda eqn: NodeMode.SAVE)
-    walker = _Walker(b, decide, branch)
+    walker = _Walker(b, decide, decide_by_names_fixed if names else None)
     refs: list[Ref] = []
     for c in jvp_consts:
         aval = jax.core.get_aval(c)
@@ -564,7 +615,32 @@ def graph_of_traced(traced: Traced, *, names: bool = False, name: str = "") -> E
     for n in b.nodes:
         if n["key"] in walker.keys_forced_save:
             n["mode"] = NodeMode.SAVE
-    return Extraction(b.build(), dict(walker.names_by_key))
+    aliases = _merge_tie_groups(walker.tie_groups)
+    for n in b.nodes:
+        for representative, keys in aliases.items():
+            if n["key"] in keys:
+                n["key"] = representative
+    return Extraction(b.build(), dict(walker.names_by_key), aliases)
+
+
+def _merge_tie_groups(groups: Sequence[set[str]]) -> dict[str, frozenset[str]]:
+    """Union of overlapping groups; each named by its smallest key."""
+    merged: list[set[str]] = []
+    for group in groups:
+        group = set(group)
+        for other in [m for m in merged if m & group]:
+            group |= other
+            merged.remove(other)
+        merged.append(group)
+    return {min(g): frozenset(g) for g in merged}
+
+
+def _fixed_save(eqn) -> NodeMode:
+    return NodeMode.SAVE
+
+
+def _fixed_recompute(eqn) -> NodeMode:
+    return NodeMode.SAVE if jx.has_effects(eqn) else NodeMode.RECOMPUTE
 
 
 def decide_by_names_fixed(eqn) -> NodeMode:

@@ -101,6 +101,7 @@ class Plan:
     traced: Traced = field(repr=False)
     options: dict[str, Any] = field(default_factory=dict, repr=False)
     _names: NamesForm | None = field(default=None, repr=False)
+    key_aliases: dict[str, frozenset[str]] = field(default_factory=dict, repr=False)
 
     # ---- predictions ------------------------------------------------------
 
@@ -132,9 +133,14 @@ class Plan:
 
     @cached_property
     def saved_keys(self) -> frozenset[str]:
+        """Policy keys to save; a graph key standing for several expands to all of them."""
         g = self.graph
-        return frozenset(g.node_key[n] for n, d in enumerate(self.solution.node_decisions)
-                         if d == "save" and g.node_key[n])
+        keys: set[str] = set()
+        for n, decision in enumerate(self.solution.node_decisions):
+            key = g.node_key[n]
+            if decision == "save" and key:
+                keys |= self.key_aliases.get(key, {key})
+        return frozenset(keys)
 
     @property
     def policy(self) -> KeyPolicy:
@@ -207,8 +213,9 @@ def optimize(fun: Callable, *args, budget: int | str, tie: bool = True, **option
     budget_bytes = parse_bytes(budget)
     traced = trace(fun, args, {})
     if tie:
-        graph = graph_of_traced(traced, name=getattr(fun, "__qualname__", "")).graph
-        solution = solve(graph, budget_bytes, tie=True, **options)
-        return Plan(graph, solution, traced, dict(options))
+        extraction = graph_of_traced(traced, name=getattr(fun, "__qualname__", ""))
+        solution = solve(extraction.graph, budget_bytes, tie=True, **options)
+        return Plan(extraction.graph, solution, traced, dict(options),
+                    key_aliases=extraction.key_aliases)
     names = _names_form(traced, budget_bytes, dict(options))
     return Plan(names.graph, names.solution, traced, dict(options), names)
