@@ -18,7 +18,7 @@ _EXPORTS = {
     "NamesForm": "client.plan",
     "Verification": "client.plan",
     "KeyPolicy": "client.policy",
-    "policy_key": "client.policy_key",
+    "policy_key": "client.keys",
 }
 
 __all__ = sorted(_EXPORTS)

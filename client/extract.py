@@ -22,7 +22,7 @@ import numpy as np
 
 from client import _jax_internals as jx
 from client.cost_model import aval_bytes, eqn_flops
-from client.policy_key import policy_key
+from client.keys import policy_key
 from solver.graph import CostGraph, GraphBuilder, NodeMode
 from solver.semantics import evaluate
 

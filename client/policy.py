@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from client import _jax_internals as jx
-from client.policy_key import policy_key
+from client.keys import policy_key
 
 
 @dataclass(frozen=True)

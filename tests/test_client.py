@@ -1,0 +1,137 @@
+"""The client's pieces: policy keys, policies, plans and their errors."""
+
+from __future__ import annotations
+
+import doctest
+import pickle
+import subprocess
+import sys
+import textwrap
+
+import jax
+import jax.numpy as jnp
+import pytest
+from jax import lax
+
+import client.extract
+import client.plan
+from client import ExtractionError, KeyPolicy, PlanError, extract_graph, optimize, policy_key
+from client._jax_internals import _version_tuple
+from solver.solution import InfeasibleBudgetError
+from solver.solve import min_feasible_budget
+from solver.units import parse_bytes
+from tests.models import CORPUS
+
+KEY_SCRIPT = textwrap.dedent("""
+    import jax.numpy as jnp
+    from tests.models import CORPUS
+    from client import extract_graph
+    fun, args = CORPUS["transformer_block"]
+    print(",".join(extract_graph(fun, *args).node_key))
+""")
+
+
+def test_policy_keys_are_stable_across_processes():
+    runs = {
+        subprocess.run([sys.executable, "-c", KEY_SCRIPT], capture_output=True, text=True,
+                       check=True, env={"PYTHONHASHSEED": seed, "PATH": ""}).stdout
+        for seed in ("1", "2")
+    }
+    fun, args = CORPUS["transformer_block"]
+    here = ",".join(extract_graph(fun, *args).node_key)
+    assert runs == {here + "\n"}
+
+
+def test_policy_key_tells_shapes_dtypes_and_params_apart():
+    f32 = jax.core.ShapedArray((4, 8), jnp.float32)
+    bf16 = jax.core.ShapedArray((4, 8), jnp.bfloat16)
+    sin = lax.sin_p
+    assert policy_key(sin, [f32], {}) == policy_key(sin, [f32], {})
+    assert policy_key(sin, [f32], {}) != policy_key(sin, [bf16], {})
+    assert policy_key(sin, [f32], {"accuracy": None}) != policy_key(sin, [f32], {"accuracy": 1})
+    assert policy_key(sin, [f32], {}).startswith("sin:")
+
+
+def test_policy_is_immutable_hashable_and_picklable():
+    fun, args = CORPUS["mlp"]
+    plan = optimize(fun, *args, budget=10_000)
+    policy = plan.policy
+    assert hash(policy) == hash(KeyPolicy(policy.saved_keys))
+    assert pickle.loads(pickle.dumps(policy)) == policy
+    with pytest.raises(AttributeError):
+        policy.saved_keys = frozenset()
+
+
+def test_same_request_same_plan():
+    fun, args = CORPUS["scan_stack"]
+    a = optimize(fun, *args, budget="17KiB").solution
+    b = optimize(fun, *args, budget=17 * 1024).solution
+    assert a.fingerprint() == b.fingerprint()
+
+
+def test_untied_plan_refuses_a_stateless_policy_and_checkpoints_by_names():
+    fun, args = CORPUS["mlp"]
+    plan = optimize(fun, *args, budget=9_000, tie=False)
+    with pytest.raises(PlanError, match="one by one"):
+        _ = plan.policy
+    check = plan.verify()
+    assert check.exact and check.within_budget
+    assert all(name.startswith("optiremat/") for name in plan.names.names)
+
+
+def test_verify_reports_prediction_and_measurement():
+    fun, args = CORPUS["transformer_block"]
+    plan = optimize(fun, *args, budget=15_000)
+    check = plan.verify(fun, *args, flops=True)
+    assert check.exact and check.within_budget
+    assert check.measured_bytes == sum(r.bytes for r in check.residuals)
+    assert check.predicted_recompute_flops == plan.recompute_flops
+
+
+def test_infeasible_budget_names_the_smallest_feasible_one():
+    fun, args = CORPUS["mlp"]
+    floor = min_feasible_budget(extract_graph(fun, *args))
+    with pytest.raises(InfeasibleBudgetError, match=str(floor)) as err:
+        optimize(fun, *args, budget=floor - 1)
+    assert err.value.min_budget_bytes == floor
+    assert optimize(fun, *args, budget=floor).residual_bytes <= floor
+
+
+def test_differentiated_while_carry_is_a_clear_error():
+    def f(x):
+        return lax.while_loop(lambda c: c[1] < 3, lambda c: (c[0] * 2.0, c[1] + 1), (x, 0))[0]
+    with pytest.raises(ExtractionError, match="while_loop"):
+        extract_graph(lambda x: jnp.sum(f(x)), jnp.ones(3))
+
+
+def test_forced_nodes_are_marked_in_the_graph():
+    fun, args = CORPUS["while_loop"]
+    graph = extract_graph(fun, *args)
+    forced = {p for p, m in zip(graph.node_primitive, graph.node_mode, strict=True)
+              if m == "recompute"}
+    assert "while" in forced
+
+
+@pytest.mark.parametrize("text,expected", [
+    (1024, 1024), ("1024", 1024), ("12MiB", 12 * 2**20), ("1.5GB", 1_500_000_000),
+    ("800 KiB", 800 * 1024), ("2_000b", 2000),
+])
+def test_parse_bytes(text, expected):
+    assert parse_bytes(text) == expected
+
+
+@pytest.mark.parametrize("bad", ["12 parsecs", "", "-5", -5, 1.5, True])
+def test_parse_bytes_rejects_nonsense(bad):
+    with pytest.raises((ValueError, TypeError)):
+        parse_bytes(bad)
+
+
+def test_version_parsing_for_the_supported_range():
+    assert _version_tuple("0.10.2") == (0, 10, 2)
+    assert _version_tuple("0.11.0.dev20261101") == (0, 11, 0)
+
+
+@pytest.mark.parametrize("module", [client.extract, client.plan])
+def test_docstring_examples_run(module):
+    result = doctest.testmod(module, optionflags=doctest.ELLIPSIS)
+    assert result.attempted > 0 and result.failed == 0
