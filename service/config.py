@@ -1,0 +1,49 @@
+"""The service's settings: one object, read from ``OPTIREMAT_*`` environment variables."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Annotated
+
+from platformdirs import user_cache_path
+from pydantic import Field, field_validator
+from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
+
+
+def _default_workers() -> int:
+    # Each worker is a process running one CP-SAT solve; leave a core for the event loop.
+    return max(1, min(4, (os.cpu_count() or 2) - 1))
+
+
+class Settings(BaseSettings):
+    """Every knob of the embedded service. Environment: ``OPTIREMAT_<NAME>``."""
+
+    model_config = SettingsConfigDict(env_prefix="OPTIREMAT_", extra="ignore", frozen=True)
+
+    host: str = "127.0.0.1"
+    port: int = Field(default=8000, ge=0, le=65535)
+    data_dir: Path = Field(default_factory=lambda: user_cache_path("optiremat"))
+    # Comma-separated bearer tokens; empty turns authentication off.
+    api_keys: Annotated[tuple[str, ...], NoDecode] = ()
+    # Cap on the request body after gzip decoding (and on the raw body).
+    max_body_bytes: int = Field(default=64 * 1024 * 1024, gt=0)
+    max_graph_nodes: int = Field(default=200_000, gt=0)
+    max_graph_values: int = Field(default=400_000, gt=0)
+    # POST /v1/solve and /v1/frontier hold a connection open: their time limit is capped.
+    sync_time_limit_s: float = Field(default=30.0, gt=0)
+    # Jobs run in the background but still hold a worker: cap them too.
+    job_time_limit_s: float = Field(default=3600.0, gt=0)
+    workers: int = Field(default_factory=_default_workers, ge=1)
+    log_level: str = "INFO"
+
+    @field_validator("api_keys", mode="before")
+    @classmethod
+    def _split_keys(cls, value: object) -> object:
+        if isinstance(value, str):
+            return tuple(k.strip() for k in value.split(",") if k.strip())
+        return value
+
+    @property
+    def database_path(self) -> Path:
+        return self.data_dir / "optiremat.sqlite3"

@@ -1,0 +1,76 @@
+"""FastAPI dependencies and the request checks shared by several routes."""
+
+from __future__ import annotations
+
+import hmac
+from typing import Annotated
+
+from fastapi import Depends, Request
+from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
+
+from service.config import Settings
+from service.problems import GRAPH_TOO_LARGE, ProblemError
+from service.solving import SolveManager
+from solver.graph import CostGraph
+from solver.solution import SolveOptions
+
+_bearer = HTTPBearer(
+    auto_error=False,
+    description="Enforced only when the server sets OPTIREMAT_API_KEYS.",
+)
+
+
+def get_settings(request: Request) -> Settings:
+    return request.app.state.settings
+
+
+def get_manager(request: Request) -> SolveManager:
+    return request.app.state.manager
+
+
+SettingsDep = Annotated[Settings, Depends(get_settings)]
+ManagerDep = Annotated[SolveManager, Depends(get_manager)]
+
+
+async def require_api_key(
+    request: Request,
+    credentials: Annotated[HTTPAuthorizationCredentials | None, Depends(_bearer)],
+) -> None:
+    keys = get_settings(request).api_keys
+    if not keys:
+        return
+    if credentials is None:
+        raise ProblemError(
+            401, "Unauthorized",
+            "this server requires an API key: send the header 'Authorization: Bearer <key>'",
+            headers={"WWW-Authenticate": "Bearer"},
+        )
+    offered = credentials.credentials.encode()
+    # compare_digest against every key: the time taken does not reveal which prefix matched
+    if not any([hmac.compare_digest(offered, key.encode()) for key in keys]):
+        raise ProblemError(
+            401, "Unauthorized", "the API key is not valid for this server",
+            headers={"WWW-Authenticate": 'Bearer error="invalid_token"'},
+        )
+
+
+def check_graph_size(graph: CostGraph, settings: Settings) -> None:
+    if graph.num_nodes > settings.max_graph_nodes:
+        raise ProblemError(
+            413, "Graph too large",
+            f"the graph has {graph.num_nodes} nodes; this server accepts at most "
+            f"{settings.max_graph_nodes} (OPTIREMAT_MAX_GRAPH_NODES)", type=GRAPH_TOO_LARGE,
+        )
+    if graph.num_values > settings.max_graph_values:
+        raise ProblemError(
+            413, "Graph too large",
+            f"the graph has {graph.num_values} values; this server accepts at most "
+            f"{settings.max_graph_values} (OPTIREMAT_MAX_GRAPH_VALUES)", type=GRAPH_TOO_LARGE,
+        )
+
+
+def cap_time_limit(options: SolveOptions, cap_s: float) -> SolveOptions:
+    """Clamp the time limit; the capped value is part of the request hash and the answer."""
+    if options.time_limit_s <= cap_s:
+        return options
+    return options.model_copy(update={"time_limit_s": cap_s})

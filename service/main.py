@@ -1,0 +1,85 @@
+"""Wires the app: settings, lifespan (store, worker pool), middleware, handlers, routes."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+
+from fastapi import FastAPI
+
+from service.config import Settings
+from service.metrics import Metrics
+from service.middleware import BodyDecodingMiddleware, RequestContextMiddleware
+from service.openapi import install_openapi
+from service.pool import WorkerPool
+from service.problems import install_problem_handlers
+from service.routes import frontier, health, jobs, solve
+from service.solving import SolveManager
+from service.store import Store
+
+log = logging.getLogger("optiremat.service")
+
+
+def create_app(settings: Settings | None = None) -> FastAPI:
+    settings = settings or Settings()
+    metrics = Metrics()
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        store = Store(settings.database_path)
+        pool = WorkerPool(settings.workers, metrics)
+        await pool.start()
+        manager = SolveManager(store, pool, metrics)
+        app.state.store, app.state.pool, app.state.manager = store, pool, manager
+        await manager.start()
+        log.info("serving", extra={"data_dir": str(settings.data_dir),
+                                   "workers": settings.workers,
+                                   "auth": bool(settings.api_keys)})
+        try:
+            yield
+        finally:
+            await manager.stop()
+            store.close()
+
+    app = FastAPI(
+        title="optiremat",
+        summary="Optimal activation-checkpointing plans for JAX, as a service.",
+        version=_version(),
+        lifespan=lifespan,
+        redoc_url=None,
+    )
+    app.state.settings = settings
+    app.state.metrics = metrics
+    install_problem_handlers(app)
+    # Added last runs first: the request id exists before the body is read.
+    app.add_middleware(BodyDecodingMiddleware, max_body_bytes=settings.max_body_bytes)
+    app.add_middleware(RequestContextMiddleware, metrics=metrics)
+    for module in (solve, jobs, frontier, health):
+        app.include_router(module.router)
+    install_openapi(app)
+    return app
+
+
+def _version() -> str:
+    from service.solving import solver_version
+
+    return solver_version().split("+")[0].removeprefix("optiremat-")
+
+
+def serve(settings: Settings) -> None:
+    """Run the embedded service in this process until interrupted."""
+    import uvicorn
+
+    from service.logs import configure_logging
+
+    configure_logging(settings.log_level)
+    uvicorn.run(
+        create_app(settings),
+        host=settings.host,
+        port=settings.port,
+        log_config=None,
+        access_log=False,
+        # Sync solves hold requests open; do not wait the full time limit at shutdown.
+        timeout_graceful_shutdown=5,
+    )

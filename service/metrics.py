@@ -1,0 +1,51 @@
+"""Prometheus metrics, in a registry per app so several apps in one process do not collide."""
+
+from __future__ import annotations
+
+from prometheus_client import (
+    CONTENT_TYPE_LATEST,
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    generate_latest,
+)
+
+_LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
+_SOLVE_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 300, 900, 3600)
+
+
+class Metrics:
+    content_type = CONTENT_TYPE_LATEST
+
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.request_seconds = Histogram(
+            "optiremat_http_request_duration_seconds", "HTTP request latency",
+            ["method", "route", "status"], buckets=_LATENCY_BUCKETS, registry=r,
+        )
+        self.solves = Counter(
+            "optiremat_solves", "Solver runs in worker processes, by outcome",
+            ["outcome"], registry=r,
+        )
+        self.solve_seconds = Histogram(
+            "optiremat_solve_seconds", "Wall time of one solver run in a worker",
+            buckets=_SOLVE_BUCKETS, registry=r,
+        )
+        self.cache_hits = Counter(
+            "optiremat_cache_hits", "Requests answered from the result store", registry=r,
+        )
+        self.coalesced = Counter(
+            "optiremat_coalesced_requests",
+            "Requests that joined an identical solve already in flight", registry=r,
+        )
+        self.queue_depth = Gauge(
+            "optiremat_queue_depth", "Solver tasks waiting for a free worker", registry=r,
+        )
+        self.busy_workers = Gauge(
+            "optiremat_busy_workers", "Worker processes running a task", registry=r,
+        )
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

@@ -1,0 +1,214 @@
+"""ASGI middleware: request ids, one log line and a latency sample per request, body decoding.
+
+Both are plain ASGI (not ``BaseHTTPMiddleware``) so they add no task per request
+and can answer before the app runs.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+import time
+import uuid
+import zlib
+from collections.abc import Awaitable, Callable, MutableMapping
+from typing import Any
+
+from service.metrics import Metrics
+from service.problems import INVALID_REQUEST, problem_body
+
+Scope = MutableMapping[str, Any]
+Message = MutableMapping[str, Any]
+Receive = Callable[[], Awaitable[Message]]
+Send = Callable[[Message], Awaitable[None]]
+ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
+
+access_log = logging.getLogger("optiremat.access")
+_CLIENT_REQUEST_ID = re.compile(r"^[A-Za-z0-9._-]{1,128}$")
+
+
+def _header(scope: Scope, name: bytes) -> str | None:
+    for key, value in scope.get("headers", ()):
+        if key.lower() == name:
+            return value.decode("latin-1")
+    return None
+
+
+def _has_body(scope: Scope) -> bool:
+    length = _header(scope, b"content-length")
+    if length is not None:
+        return length.strip() != "0"
+    return _header(scope, b"transfer-encoding") is not None
+
+
+class RequestContextMiddleware:
+    """Gives each request an id (``X-Request-ID``), logs it on one line, times it."""
+
+    def __init__(self, app: ASGIApp, metrics: Metrics) -> None:
+        self.app = app
+        self.metrics = metrics
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        offered = _header(scope, b"x-request-id")
+        request_id = offered if offered and _CLIENT_REQUEST_ID.match(offered) else uuid.uuid4().hex
+        scope.setdefault("state", {})["request_id"] = request_id
+        status = 500  # what the client sees if the app raises before responding
+        started = time.perf_counter()
+
+        async def send_with_id(message: Message) -> None:
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+                message["headers"] = [*message.get("headers", []),
+                                      (b"x-request-id", request_id.encode())]
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_with_id)
+        finally:
+            seconds = time.perf_counter() - started
+            route = scope.get("route")
+            # the route template, not the raw path: job ids must not explode label cardinality
+            template = getattr(route, "path", "unmatched")
+            self.metrics.request_seconds.labels(
+                method=scope["method"], route=template, status=str(status)
+            ).observe(seconds)
+            client = scope.get("client")
+            access_log.info(
+                "%s %s %d", scope["method"], scope["path"], status,
+                extra={
+                    "request_id": request_id,
+                    "method": scope["method"],
+                    "path": scope["path"],
+                    "route": template,
+                    "status": status,
+                    "duration_ms": round(seconds * 1000, 3),
+                    "client": f"{client[0]}:{client[1]}" if client else None,
+                },
+            )
+
+
+class _Reject(Exception):
+    def __init__(self, status: int, title: str, detail: str,
+                 headers: list[tuple[bytes, bytes]] | None = None) -> None:
+        self.status, self.title, self.detail = status, title, detail
+        self.headers = headers or []
+
+
+class BodyDecodingMiddleware:
+    """Admits JSON bodies only, caps their size, and decodes ``Content-Encoding: gzip``
+    under the same cap.
+
+    The cap applies to the decoded bytes, so a small gzip bomb is refused as soon
+    as its output passes the limit, without inflating the rest.
+    """
+
+    def __init__(self, app: ASGIApp, max_body_bytes: int) -> None:
+        self.app = app
+        self.max_body_bytes = max_body_bytes
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or not _has_body(scope):
+            await self.app(scope, receive, send)  # routing answers 405s and missing bodies
+            return
+        try:
+            body = await self._read(scope, receive)
+        except _Reject as reject:
+            await self._send_problem(scope, send, reject)
+            return
+
+        headers = [(k, v) for k, v in scope["headers"]
+                   if k.lower() not in (b"content-encoding", b"content-length")]
+        headers.append((b"content-length", str(len(body)).encode()))
+        scope["headers"] = headers
+        delivered = False
+
+        async def replay() -> Message:
+            nonlocal delivered
+            if not delivered:
+                delivered = True
+                return {"type": "http.request", "body": body, "more_body": False}
+            return await receive()  # later calls wait for the disconnect
+
+        await self.app(scope, replay, send)
+
+    async def _read(self, scope: Scope, receive: Receive) -> bytes:
+        limit = self.max_body_bytes
+        too_large = _Reject(
+            413, "Body too large",
+            f"the request body exceeds {limit} bytes (OPTIREMAT_MAX_BODY_BYTES)",
+        )
+        length = _header(scope, b"content-length")
+        if length is not None and length.isdigit() and int(length) > limit:
+            raise too_large
+        media_type = (_header(scope, b"content-type") or "").split(";")[0].strip().lower()
+        if media_type != "application/json" and not media_type.endswith("+json"):
+            raise _Reject(
+                415, "Unsupported media type",
+                f"the body must be JSON: send 'Content-Type: application/json' "
+                f"(got {media_type or 'no Content-Type'})",
+            )
+        encoding = (_header(scope, b"content-encoding") or "identity").strip().lower()
+        if encoding not in ("identity", "gzip", "x-gzip"):
+            raise _Reject(
+                415, "Unsupported Content-Encoding",
+                f"Content-Encoding {encoding!r} is not supported; send identity or gzip",
+                headers=[(b"accept-encoding", b"gzip")],
+            )
+        gunzip = zlib.decompressobj(wbits=16 + zlib.MAX_WBITS) if encoding != "identity" else None
+        raw_size = 0
+        parts: list[bytes] = []
+        decoded_size = 0
+        more = True
+        while more:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                raise _Reject(400, "Incomplete body", "the client disconnected mid-body")
+            chunk = message.get("body", b"")
+            more = message.get("more_body", False)
+            raw_size += len(chunk)
+            if raw_size > limit:
+                raise too_large
+            if gunzip is None:
+                parts.append(chunk)
+                continue
+            try:
+                while chunk:
+                    # max_length bounds memory: never inflate more than one byte past the cap
+                    piece = gunzip.decompress(chunk, limit - decoded_size + 1)
+                    decoded_size += len(piece)
+                    parts.append(piece)
+                    if decoded_size > limit:
+                        raise _Reject(
+                            413, "Body too large",
+                            f"the gzip body inflates past {limit} bytes "
+                            "(OPTIREMAT_MAX_BODY_BYTES)",
+                        )
+                    chunk = gunzip.unconsumed_tail
+                    if gunzip.eof and gunzip.unused_data:  # another gzip member follows
+                        chunk = gunzip.unused_data
+                        gunzip = zlib.decompressobj(wbits=16 + zlib.MAX_WBITS)
+            except zlib.error as exc:
+                raise _Reject(400, "Malformed gzip",
+                              f"the body is not valid gzip: {exc}") from exc
+        if gunzip is not None and not gunzip.eof:
+            raise _Reject(400, "Malformed gzip", "the gzip body is truncated")
+        return b"".join(parts)
+
+    @staticmethod
+    async def _send_problem(scope: Scope, send: Send, reject: _Reject) -> None:
+        body = json.dumps(problem_body(
+            reject.status, reject.title, reject.detail, type=INVALID_REQUEST,
+            request_id=scope.get("state", {}).get("request_id"), instance=scope["path"],
+        )).encode()
+        await send({
+            "type": "http.response.start",
+            "status": reject.status,
+            "headers": [(b"content-type", b"application/problem+json"),
+                        (b"content-length", str(len(body)).encode()), *reject.headers],
+        })
+        await send({"type": "http.response.body", "body": body})

@@ -1,0 +1,133 @@
+"""Request and response bodies of the REST API; graph and solution models come from solver/."""
+
+from __future__ import annotations
+
+from datetime import datetime
+from enum import StrEnum
+from typing import Annotated, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, StrictInt, model_validator
+
+from service.problems import Problem
+from solver.graph import CostGraph, GraphBuilder
+from solver.solution import Solution, SolveOptions, SolveStatus
+
+NonNegInt = Annotated[StrictInt, Field(ge=0)]
+MAX_FRONTIER_POINTS = 64
+
+
+def _example_graph() -> dict[str, object]:
+    """x -> sin -> tanh, as extraction would write it: the example in openapi.json."""
+    b = GraphBuilder("example")
+    x = b.input(4096, (1024,), "float32")
+    y = b.value(4096, (1024,), "float32")
+    z = b.value(4096, (1024,), "float32")
+    b.node("sin", [x], [y], key="sin(float32[1024])", flops=1024, source="model.py:3")
+    b.node("tanh", [y], [z], key="tanh(float32[1024])", flops=1024, source="model.py:4")
+    b.backward_reads += [x, z]  # sin's derivative reads x; tanh's reads its output
+    return b.build().model_dump(mode="json")
+
+
+_EXAMPLE_GRAPH = _example_graph()
+
+
+class SolveRequest(BaseModel):
+    """One graph, one budget: the body of ``POST /v1/solve`` and ``POST /v1/jobs``."""
+
+    model_config = ConfigDict(extra="forbid", json_schema_extra={"examples": [
+        {"graph": _EXAMPLE_GRAPH, "budget_bytes": 8192, "options": {"time_limit_s": 5}},
+    ]})
+
+    graph: CostGraph
+    budget_bytes: NonNegInt = Field(description="Residual memory budget in bytes.")
+    options: SolveOptions = Field(default_factory=SolveOptions)
+
+
+class JobStatus(StrEnum):
+    QUEUED = "queued"
+    RUNNING = "running"
+    SUCCEEDED = "succeeded"
+    FAILED = "failed"
+    CANCELLED = "cancelled"
+
+
+class Progress(BaseModel):
+    """The solver's latest report: best plan found so far and the proven bound."""
+
+    incumbent_flops: int | None = None
+    bound_flops: int | None = None
+    elapsed_s: float = 0.0
+
+
+class Job(BaseModel):
+    """A background solve. ``id`` is the request hash, so resubmitting finds the same job."""
+
+    id: str
+    status: JobStatus
+    graph_hash: str
+    budget_bytes: int
+    options: SolveOptions
+    created_at: datetime
+    updated_at: datetime
+    progress: Progress | None = None
+    solution: Solution | None = Field(
+        default=None,
+        description="When succeeded; when cancelled, the best plan found before the cancel.",
+    )
+    error: Problem | None = Field(default=None, description="When failed: what went wrong.")
+
+
+class FrontierRequest(BaseModel):
+    """A budget sweep: explicit ``budgets``, or ``count`` evenly spaced feasible ones."""
+
+    model_config = ConfigDict(extra="forbid", json_schema_extra={"examples": [
+        {"graph": _EXAMPLE_GRAPH, "count": 3},
+        {"graph": _EXAMPLE_GRAPH, "budgets": [4096, 8192, 12288]},
+    ]})
+
+    graph: CostGraph
+    budgets: list[NonNegInt] | None = Field(
+        default=None, min_length=1, max_length=MAX_FRONTIER_POINTS
+    )
+    count: int | None = Field(
+        default=None, ge=2, le=MAX_FRONTIER_POINTS,
+        description="Budgets evenly spaced from the smallest feasible to the largest useful.",
+    )
+    options: SolveOptions = Field(default_factory=SolveOptions)
+
+    @model_validator(mode="after")
+    def _budgets_or_count(self) -> FrontierRequest:
+        if (self.budgets is None) == (self.count is None):
+            raise ValueError("give exactly one of 'budgets' (a list) or 'count' (an integer)")
+        return self
+
+
+class FrontierPoint(BaseModel):
+    budget_bytes: int
+    status: SolveStatus
+    residual_bytes: int | None = None
+    recompute_flops: int | None = None
+    pareto: bool = Field(
+        default=False, description="No other point has both fewer bytes and fewer FLOPs."
+    )
+    min_budget_bytes: int | None = Field(
+        default=None, description="For an infeasible budget: the smallest feasible one."
+    )
+
+
+class Frontier(BaseModel):
+    graph_hash: str
+    options: SolveOptions
+    min_feasible_budget: int | None = Field(default=None, description="Set when count was given.")
+    max_useful_budget: int | None = Field(default=None, description="Set when count was given.")
+    points: list[FrontierPoint]
+
+
+class Health(BaseModel):
+    status: Literal["ok"] = "ok"
+
+
+class Readiness(BaseModel):
+    status: Literal["ready"] = "ready"
+    workers: int
+    queue_depth: int

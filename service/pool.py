@@ -1,0 +1,213 @@
+"""Worker processes that run solver calls so the event loop never blocks.
+
+Each worker is a long-lived spawned process (warm imports) with its own pipe and
+its own cancel ``Event``: setting the event reaches the solve running there, and
+the solver returns its best incumbent. A worker that dies is replaced; the task
+it held fails with a clear message.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import multiprocessing
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from multiprocessing.context import SpawnProcess
+from multiprocessing.synchronize import Event
+from typing import Any
+
+from service.metrics import Metrics
+from service.worker import Failed, Infeasible, ProgressReport, Solved, WorkerResult, worker_main
+
+log = logging.getLogger("optiremat.service")
+
+
+@dataclass(frozen=True)
+class Cancelled:
+    """The task was cancelled; ``partial`` is what the worker returned after the cancel."""
+
+    partial: WorkerResult | None
+
+
+@dataclass(frozen=True)
+class Interrupted:
+    """The server shut down before the task finished."""
+
+
+Outcome = WorkerResult | Cancelled | Interrupted
+
+
+@dataclass(eq=False)
+class Task:
+    kind: str  # "solve" | "budget_range", see service.worker
+    payload: dict[str, Any]
+    on_start: Callable[[], None] | None = None
+    on_progress: Callable[[ProgressReport], None] | None = None
+    future: asyncio.Future[Outcome] = field(init=False)
+    cancel_requested: bool = field(default=False, init=False)
+    worker: _Worker | None = field(default=None, init=False)
+
+    @property
+    def running(self) -> bool:
+        return self.worker is not None
+
+
+class _Worker:
+    def __init__(self, index: int) -> None:
+        ctx = multiprocessing.get_context("spawn")  # fork is unsafe in a threaded server
+        self.conn, child = ctx.Pipe()
+        self.cancel: Event = ctx.Event()
+        self.process: SpawnProcess = ctx.Process(
+            target=worker_main, args=(child, self.cancel),
+            name=f"optiremat-worker-{index}", daemon=True,
+        )
+        self.process.start()
+        child.close()
+
+    def stop_nowait(self) -> None:
+        self.cancel.set()
+        with contextlib.suppress(OSError):  # already gone
+            self.conn.send(None)
+
+    def join(self, timeout: float) -> None:
+        self.process.join(timeout)
+        if self.process.is_alive():
+            self.process.terminate()
+            self.process.join(1.0)
+        if self.process.is_alive():
+            self.process.kill()
+            self.process.join()
+        self.conn.close()
+
+
+class WorkerPool:
+    def __init__(self, size: int, metrics: Metrics) -> None:
+        self.size = size
+        self._metrics = metrics
+        self._queue: asyncio.Queue[Task] = asyncio.Queue()
+        self._workers: list[_Worker] = []
+        self._slots: list[asyncio.Task[None]] = []
+        self._running: set[Task] = set()
+        # One thread per worker does the blocking pipe I/O.
+        self._io = ThreadPoolExecutor(max_workers=size, thread_name_prefix="optiremat-pipe")
+        self._stopping = False
+
+    async def start(self) -> None:
+        self._workers = [_Worker(i) for i in range(self.size)]
+        self._slots = [asyncio.create_task(self._serve(i)) for i in range(self.size)]
+
+    @property
+    def queue_depth(self) -> int:
+        return self._queue.qsize()
+
+    @property
+    def alive_workers(self) -> int:
+        return sum(w.process.is_alive() for w in self._workers)
+
+    def submit(self, task: Task) -> asyncio.Future[Outcome]:
+        task.future = asyncio.get_running_loop().create_future()
+        if self._stopping:
+            task.future.set_result(Interrupted())
+            return task.future
+        self._queue.put_nowait(task)
+        self._metrics.queue_depth.set(self._queue.qsize())
+        return task.future
+
+    def cancel(self, task: Task) -> None:
+        """Cancel a queued task at once; ask a running one to stop and keep its incumbent."""
+        if task.future.done():
+            return
+        task.cancel_requested = True
+        if task.worker is not None:
+            task.worker.cancel.set()
+        else:  # still queued: the slot that dequeues it skips it
+            task.future.set_result(Cancelled(None))
+
+    async def _serve(self, slot: int) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            task = await self._queue.get()
+            self._metrics.queue_depth.set(self._queue.qsize())
+            if task.future.done():
+                continue
+            worker = self._workers[slot]
+            if not worker.process.is_alive():
+                worker = self._respawn(slot)
+            worker.cancel.clear()
+            task.worker = worker
+            self._running.add(task)
+            self._metrics.busy_workers.inc()
+            if task.on_start is not None:
+                task.on_start()
+            started = time.monotonic()
+            try:
+                result: WorkerResult = await self._exchange(loop, worker, task)
+            except (EOFError, OSError) as exc:
+                await loop.run_in_executor(None, worker.join, 1.0)
+                result = Failed(
+                    f"the worker process exited during the task (exit code "
+                    f"{worker.process.exitcode}); the solver may have run out of memory"
+                )
+                log.error("worker %d died: %r", slot, exc)
+                if not self._stopping:
+                    self._respawn(slot)
+            finally:
+                self._running.discard(task)
+                self._metrics.busy_workers.dec()
+                task.worker = None
+            if task.kind == "solve":
+                self._record_solve(result, task.cancel_requested, time.monotonic() - started)
+            if not task.future.done():
+                task.future.set_result(Cancelled(result) if task.cancel_requested else result)
+
+    async def _exchange(self, loop: asyncio.AbstractEventLoop, worker: _Worker,
+                        task: Task) -> WorkerResult:
+        await loop.run_in_executor(self._io, worker.conn.send, (task.kind, task.payload))
+        while True:
+            message = await loop.run_in_executor(self._io, worker.conn.recv)
+            if isinstance(message, ProgressReport):
+                if task.on_progress is not None:
+                    task.on_progress(message)
+                continue
+            return message
+
+    def _record_solve(self, result: WorkerResult, cancelled: bool, seconds: float) -> None:
+        if cancelled:
+            outcome = "cancelled"
+        elif isinstance(result, Solved):
+            outcome = "solved"
+        elif isinstance(result, Infeasible):
+            outcome = "infeasible"
+        else:
+            outcome = "failed"
+        self._metrics.solves.labels(outcome=outcome).inc()
+        self._metrics.solve_seconds.observe(seconds)
+
+    def _respawn(self, slot: int) -> _Worker:
+        self._workers[slot] = _Worker(slot)
+        return self._workers[slot]
+
+    async def stop(self, grace_s: float = 3.0) -> None:
+        """Stop every worker; unfinished tasks resolve to ``Interrupted``."""
+        self._stopping = True
+        unfinished = set(self._running)
+        for slot in self._slots:
+            slot.cancel()
+        await asyncio.gather(*self._slots, return_exceptions=True)
+        self._slots.clear()  # their frames hold workers, whose Events must be freed below
+        for worker in self._workers:
+            worker.stop_nowait()
+        loop = asyncio.get_running_loop()
+        await asyncio.gather(*(loop.run_in_executor(None, w.join, grace_s)
+                               for w in self._workers))
+        self._workers.clear()  # frees the cancel Events' semaphores before the process exits
+        while not self._queue.empty():
+            unfinished.add(self._queue.get_nowait())
+        for task in unfinished:
+            if not task.future.done():
+                task.future.set_result(Interrupted())
+        self._io.shutdown(wait=False, cancel_futures=True)

@@ -1,0 +1,42 @@
+"""POST /v1/frontier: recompute FLOPs against budget, one solve per budget."""
+
+from __future__ import annotations
+
+from fastapi import APIRouter, Depends
+
+from service.deps import (
+    ManagerDep,
+    SettingsDep,
+    cap_time_limit,
+    check_graph_size,
+    require_api_key,
+)
+from service.models import Frontier, FrontierRequest
+from service.problems import problem_responses
+from service.routes.solve import raise_for_outcome
+
+router = APIRouter(prefix="/v1", tags=["frontier"], dependencies=[Depends(require_api_key)])
+
+
+@router.post(
+    "/frontier",
+    response_model=Frontier,
+    responses=problem_responses(400, 401, 409, 413, 415, 422, 500, 503),
+    summary="Sweep budgets and return the trade-off curve",
+)
+async def frontier(
+    body: FrontierRequest,
+    settings: SettingsDep,
+    manager: ManagerDep,
+) -> Frontier:
+    """Solve once per budget (each cached like ``/v1/solve``, with the same time-limit
+    cap). With ``count``, budgets are spaced evenly from the smallest feasible budget to
+    the largest useful one. Infeasible budgets come back as points with status
+    ``infeasible``; ``pareto`` marks the points no other point beats."""
+    check_graph_size(body.graph, settings)
+    options = cap_time_limit(body.options, settings.sync_time_limit_s)
+    result = await manager.frontier(body.graph, body.budgets, body.count, options)
+    if not isinstance(result, Frontier):
+        raise_for_outcome(result, 0)
+        raise AssertionError(f"unexpected outcome {result!r}")
+    return result

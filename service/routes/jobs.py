@@ -1,0 +1,80 @@
+"""Background solves: submit, poll, cancel. A job's id is its request hash."""
+
+from __future__ import annotations
+
+from fastapi import APIRouter, Depends
+from starlette.responses import Response
+
+from service.deps import (
+    ManagerDep,
+    SettingsDep,
+    cap_time_limit,
+    check_graph_size,
+    require_api_key,
+)
+from service.models import Job, JobStatus, SolveRequest
+from service.problems import ProblemError, problem_responses
+
+router = APIRouter(prefix="/v1/jobs", tags=["jobs"], dependencies=[Depends(require_api_key)])
+
+_UNFINISHED = (JobStatus.QUEUED, JobStatus.RUNNING)
+
+
+def _not_found(job_id: str) -> ProblemError:
+    return ProblemError(404, "Not found",
+                        f"no job {job_id!r}; job ids come from POST /v1/jobs")
+
+
+@router.post(
+    "",
+    status_code=202,
+    response_model=Job,
+    responses={
+        200: {"model": Job, "description": "The same request finished before: its job"},
+        **problem_responses(400, 401, 413, 415, 422, 500),
+    },
+    summary="Submit a solve as a background job",
+)
+async def submit_job(
+    body: SolveRequest,
+    response: Response,
+    settings: SettingsDep,
+    manager: ManagerDep,
+) -> Job:
+    """Queue the solve; ``Location`` names the job. Submitting the same request again
+    returns the same job (a failed or cancelled one is started again)."""
+    check_graph_size(body.graph, settings)
+    options = cap_time_limit(body.options, settings.job_time_limit_s)
+    job, _ = await manager.submit_job(body.graph, body.budget_bytes, options)
+    response.headers["Location"] = f"/v1/jobs/{job.id}"
+    if job.status not in _UNFINISHED:
+        response.status_code = 200
+    return job
+
+
+@router.get(
+    "/{job_id}",
+    response_model=Job,
+    responses=problem_responses(401, 404, 500),
+    summary="A job's status, progress, and solution or error",
+)
+async def get_job(job_id: str, manager: ManagerDep) -> Job:
+    job = await manager.get_job(job_id)
+    if job is None:
+        raise _not_found(job_id)
+    return job
+
+
+@router.delete(
+    "/{job_id}",
+    response_model=Job,
+    responses=problem_responses(401, 404, 500),
+    summary="Cancel a job",
+)
+async def cancel_job(job_id: str, manager: ManagerDep) -> Job:
+    """A queued job is dropped; a running solve stops and the job keeps the best plan
+    found so far as its solution. A finished job is returned unchanged."""
+    job = await manager.cancel_job(job_id)
+    if job is None:
+        raise _not_found(job_id)
+    return job

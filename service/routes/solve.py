@@ -1,0 +1,65 @@
+"""POST /v1/solve: one graph, one budget, answered while the client waits."""
+
+from __future__ import annotations
+
+from fastapi import APIRouter, Depends
+from starlette.responses import Response
+
+from service.deps import (
+    ManagerDep,
+    SettingsDep,
+    cap_time_limit,
+    check_graph_size,
+    require_api_key,
+)
+from service.models import SolveRequest
+from service.pool import Cancelled, Interrupted, Outcome
+from service.problems import SOLVE_CANCELLED, SOLVE_FAILED, ProblemError, problem_responses
+from service.solving import infeasible_problem
+from service.worker import Failed, Infeasible, Solved
+from solver.solution import Solution
+
+router = APIRouter(prefix="/v1", tags=["solve"], dependencies=[Depends(require_api_key)])
+
+
+def raise_for_outcome(outcome: Outcome, budget_bytes: int) -> None:
+    """Turn anything but a solution into the problem the client should see."""
+    if isinstance(outcome, Infeasible):
+        body = infeasible_problem(budget_bytes, outcome.min_budget_bytes)
+        raise ProblemError(422, body["title"], body["detail"], type=body["type"],
+                           min_budget_bytes=outcome.min_budget_bytes)
+    if isinstance(outcome, Cancelled):
+        raise ProblemError(409, "Solve cancelled",
+                           "an identical job was cancelled (DELETE /v1/jobs/{id}) while this "
+                           "request waited for it; send the request again", type=SOLVE_CANCELLED)
+    if isinstance(outcome, Interrupted):
+        raise ProblemError(503, "Shutting down", "the server is shutting down; retry shortly",
+                           headers={"Retry-After": "5"})
+    if isinstance(outcome, Failed):
+        raise ProblemError(500, "Solve failed", outcome.message, type=SOLVE_FAILED)
+
+
+@router.post(
+    "/solve",
+    response_model=Solution,
+    responses=problem_responses(400, 401, 409, 413, 415, 422, 500, 503),
+    summary="Solve one graph for one budget, synchronously",
+)
+async def solve(
+    body: SolveRequest,
+    settings: SettingsDep,
+    manager: ManagerDep,
+) -> Response:
+    """The plan minimising recompute FLOPs within ``budget_bytes``.
+
+    ``options.time_limit_s`` is capped at the server's ``OPTIREMAT_SYNC_TIME_LIMIT_S``;
+    use ``/v1/jobs`` for longer solves. Answers are cached by request hash and
+    identical concurrent requests share one solve.
+    """
+    check_graph_size(body.graph, settings)
+    options = cap_time_limit(body.options, settings.sync_time_limit_s)
+    outcome = await manager.solve(body.graph, body.budget_bytes, options)
+    raise_for_outcome(outcome, body.budget_bytes)
+    assert isinstance(outcome, Solved)
+    # The stored bytes, as they are: every client gets the identical answer.
+    return Response(outcome.solution_json, media_type="application/json")

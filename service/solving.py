@@ -1,0 +1,313 @@
+"""Cache, single-flight and jobs on top of the worker pool.
+
+Every solver call is identified by a request hash. A call goes: in-flight map
+(an identical call already running: wait for it) -> result store (answered
+before: serve it) -> worker pool (solve, then store). The in-flight entry is
+removed only after the result is stored, so a caller either joins the run or
+finds the stored result: identical requests never solve twice.
+
+A job is the same run with a row in the store whose id is the request hash.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hashlib
+import json
+import logging
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from functools import cache
+from importlib.metadata import PackageNotFoundError, version
+from typing import Any
+
+from service.metrics import Metrics
+from service.models import Frontier, FrontierPoint, Job, JobStatus, Progress
+from service.pool import Cancelled, Interrupted, Outcome, Task, WorkerPool
+from service.problems import INFEASIBLE_BUDGET, SOLVE_FAILED, problem_body
+from service.store import JobRecord, Store
+from service.worker import BudgetRange, Failed, Infeasible, ProgressReport, Solved
+from solver.graph import CostGraph
+from solver.solution import Solution, SolveOptions, SolveStatus
+
+log = logging.getLogger("optiremat.service")
+
+
+@cache
+def solver_version() -> str:
+    """Versions that can change an answer; part of every request hash."""
+    parts = []
+    for dist in ("optiremat", "ortools"):
+        try:
+            parts.append(f"{dist}-{version(dist)}")
+        except PackageNotFoundError:
+            parts.append(f"{dist}-unknown")
+    return "+".join(parts)
+
+
+def _digest(doc: dict[str, Any]) -> str:
+    return hashlib.sha256(
+        json.dumps(doc, sort_keys=True, separators=(",", ":")).encode()
+    ).hexdigest()
+
+
+def solve_key(graph_hash: str, budget_bytes: int, options: SolveOptions) -> str:
+    """The request hash of a solve: job id, cache key and single-flight key."""
+    return _digest({
+        "kind": "solve",
+        "graph_hash": graph_hash,
+        "budget_bytes": budget_bytes,
+        "options": options.model_dump(mode="json"),
+        "solver_version": solver_version(),
+    })
+
+
+def _budget_range_key(graph_hash: str, tie: bool) -> str:
+    return _digest({"kind": "budget_range", "graph_hash": graph_hash, "tie": tie,
+                    "solver_version": solver_version()})
+
+
+def _solution_status(solved: Solved) -> SolveStatus:
+    return SolveStatus(json.loads(solved.solution_json)["status"])
+
+
+def _progress_dict(report: ProgressReport | None) -> dict[str, Any] | None:
+    if report is None:
+        return None
+    return Progress(incumbent_flops=report.incumbent_flops, bound_flops=report.bound_flops,
+                    elapsed_s=report.elapsed_s).model_dump()
+
+
+@dataclass(eq=False)
+class _Run:
+    key: str
+    kind: str
+    graph: CostGraph
+    payload: dict[str, Any]  # task payload without the graph (added on a cache miss)
+    future: asyncio.Future[Outcome]
+    is_job: bool = False
+    cancel_requested: bool = False
+    task: Task | None = None
+    progress: ProgressReport | None = None
+
+
+def infeasible_problem(budget_bytes: int, min_budget_bytes: int) -> dict[str, Any]:
+    return problem_body(
+        422, "Infeasible budget",
+        f"no plan keeps residuals within {budget_bytes} bytes; the smallest feasible "
+        f"budget for this graph is {min_budget_bytes} bytes",
+        type=INFEASIBLE_BUDGET, min_budget_bytes=min_budget_bytes,
+    )
+
+
+class SolveManager:
+    def __init__(self, store: Store, pool: WorkerPool, metrics: Metrics) -> None:
+        self._store = store
+        self._pool = pool
+        self._metrics = metrics
+        self._inflight: dict[str, _Run] = {}
+        self._drivers: set[asyncio.Task[None]] = set()
+
+    async def start(self) -> None:
+        """Requeue the jobs a previous server process left unfinished."""
+        for job_id, spec, graph_json in await asyncio.to_thread(self._store.unfinished_jobs):
+            graph = CostGraph.model_validate_json(graph_json)
+            options = SolveOptions.model_validate(spec["options"])
+            if solve_key(graph.content_hash, spec["budget_bytes"], options) != job_id:
+                await asyncio.to_thread(
+                    self._store.update_job, job_id, JobStatus.FAILED,
+                    error=problem_body(409, "Solver changed",
+                                       "the solver was upgraded since this job was submitted; "
+                                       "submit the request again", type=SOLVE_FAILED),
+                )
+                continue
+            self._run_solve(graph, spec["budget_bytes"], options, as_job=True)
+            log.info("requeued job %s", job_id)
+
+    async def stop(self) -> None:
+        await self._pool.stop()
+        await asyncio.gather(*self._drivers, return_exceptions=True)
+
+    # ---- runs -------------------------------------------------------------
+
+    def _run(self, key: str, kind: str, graph: CostGraph, payload: dict[str, Any],
+             *, as_job: bool = False) -> _Run:
+        run = self._inflight.get(key)
+        if run is not None:
+            self._metrics.coalesced.inc()
+        else:
+            run = _Run(key, kind, graph, payload, asyncio.get_running_loop().create_future())
+            self._inflight[key] = run
+            driver = asyncio.create_task(self._drive(run))
+            self._drivers.add(driver)
+            driver.add_done_callback(self._drivers.discard)
+        run.is_job = run.is_job or as_job
+        return run
+
+    def _run_solve(self, graph: CostGraph, budget_bytes: int, options: SolveOptions,
+                   *, as_job: bool = False) -> _Run:
+        key = solve_key(graph.content_hash, budget_bytes, options)
+        payload = {"budget_bytes": budget_bytes, "options": options.model_dump(mode="json")}
+        return self._run(key, "solve", graph, payload, as_job=as_job)
+
+    async def _drive(self, run: _Run) -> None:
+        try:
+            outcome = await self._resolve(run)
+        except Exception as exc:  # a store failure must not leave waiters hanging
+            log.exception("run %s failed", run.key)
+            outcome = Failed(f"internal error: {type(exc).__name__}: {exc}")
+        if run.is_job and not isinstance(outcome, Interrupted):
+            await asyncio.to_thread(self._finish_job, run, outcome)
+        run.future.set_result(outcome)
+        del self._inflight[run.key]
+
+    async def _resolve(self, run: _Run) -> Outcome:
+        stored = await asyncio.to_thread(self._store.get_result, run.key)
+        if stored is not None:
+            self._metrics.cache_hits.inc()
+            return stored
+        if run.cancel_requested:
+            return Cancelled(None)
+        payload = {**run.payload, "graph_json": run.graph.canonical_json()}
+        run.task = Task(run.kind, payload,
+                        on_progress=lambda report: setattr(run, "progress", report))
+        outcome = await self._pool.submit(run.task)
+        if (isinstance(outcome, Cancelled) and isinstance(outcome.partial, Solved)
+                and _solution_status(outcome.partial) == SolveStatus.OPTIMAL):
+            outcome = outcome.partial  # finished anyway: a proven answer is the answer
+        if isinstance(outcome, Solved | Infeasible | BudgetRange):
+            await asyncio.to_thread(self._store.put_result, run.key, outcome)
+        return outcome
+
+    # ---- synchronous use ----------------------------------------------------
+
+    async def solve(self, graph: CostGraph, budget_bytes: int, options: SolveOptions) -> Outcome:
+        run = self._run_solve(graph, budget_bytes, options)
+        # shield: a client that hangs up must not cancel a run others may be waiting on
+        return await asyncio.shield(run.future)
+
+    async def budget_range(self, graph: CostGraph, tie: bool) -> Outcome:
+        key = _budget_range_key(graph.content_hash, tie)
+        run = self._run(key, "budget_range", graph, {"tie": tie})
+        return await asyncio.shield(run.future)
+
+    async def frontier(self, graph: CostGraph, budgets: list[int] | None, count: int | None,
+                       options: SolveOptions) -> Frontier | Outcome:
+        """The sweep, or the outcome that stopped it (cancelled, interrupted, failed)."""
+        low = high = None
+        if budgets is None:
+            assert count is not None
+            span = await self.budget_range(graph, options.tie)
+            if not isinstance(span, BudgetRange):
+                return span
+            low, high = span.min_feasible_budget, span.max_useful_budget
+            budgets = [low + (high - low) * i // (count - 1) for i in range(count)]
+        budgets = sorted(set(budgets))
+        outcomes = await asyncio.gather(*(self.solve(graph, b, options) for b in budgets))
+        points = []
+        for budget, outcome in zip(budgets, outcomes, strict=True):
+            if isinstance(outcome, Infeasible):
+                points.append(FrontierPoint(budget_bytes=budget, status=SolveStatus.INFEASIBLE,
+                                            min_budget_bytes=outcome.min_budget_bytes))
+            elif isinstance(outcome, Solved):
+                sol = Solution.model_validate_json(outcome.solution_json)
+                points.append(FrontierPoint(budget_bytes=budget, status=sol.status,
+                                            residual_bytes=sol.residual_bytes,
+                                            recompute_flops=sol.recompute_flops))
+            else:
+                return outcome
+        _mark_pareto(points)
+        return Frontier(graph_hash=graph.content_hash, options=options, min_feasible_budget=low,
+                        max_useful_budget=high, points=points)
+
+    # ---- jobs ---------------------------------------------------------------
+
+    async def submit_job(self, graph: CostGraph, budget_bytes: int,
+                         options: SolveOptions) -> tuple[Job, bool]:
+        """The job for this request, and whether it was (re)started by this call."""
+        key = solve_key(graph.content_hash, budget_bytes, options)
+        record = await asyncio.to_thread(self._store.get_job, key)
+        if record is not None and record.status not in (JobStatus.FAILED, JobStatus.CANCELLED):
+            return self._view(record), False
+        spec = {"graph_hash": graph.content_hash, "budget_bytes": budget_bytes,
+                "options": options.model_dump(mode="json")}
+        await asyncio.to_thread(self._store.put_job, key, JobStatus.QUEUED, spec,
+                                graph.canonical_json())
+        self._run_solve(graph, budget_bytes, options, as_job=True)
+        record = await asyncio.to_thread(self._store.get_job, key)
+        assert record is not None
+        return self._view(record), True
+
+    async def get_job(self, job_id: str) -> Job | None:
+        record = await asyncio.to_thread(self._store.get_job, job_id)
+        return None if record is None else self._view(record)
+
+    async def cancel_job(self, job_id: str, wait_s: float = 5.0) -> Job | None:
+        """Cancel a queued or running job and wait (briefly) for it to settle."""
+        run = self._inflight.get(job_id)
+        if run is not None and run.is_job:
+            run.cancel_requested = True
+            if run.task is not None:
+                self._pool.cancel(run.task)
+            with contextlib.suppress(TimeoutError):  # still stopping: report it as it is
+                await asyncio.wait_for(asyncio.shield(run.future), timeout=wait_s)
+        return await self.get_job(job_id)
+
+    def _view(self, record: JobRecord) -> Job:
+        status = JobStatus(record.status)
+        progress = record.progress
+        run = self._inflight.get(record.id)
+        if run is not None and status in (JobStatus.QUEUED, JobStatus.RUNNING):
+            # The live run is the truth while the job is unfinished.
+            status = JobStatus.RUNNING if run.task is not None and run.task.running \
+                else JobStatus.QUEUED
+            progress = _progress_dict(run.progress)
+        return Job(
+            id=record.id,
+            status=status,
+            graph_hash=record.spec["graph_hash"],
+            budget_bytes=record.spec["budget_bytes"],
+            options=SolveOptions.model_validate(record.spec["options"]),
+            created_at=datetime.fromtimestamp(record.created_at, UTC),
+            updated_at=datetime.fromtimestamp(record.updated_at, UTC),
+            progress=None if progress is None else Progress.model_validate(progress),
+            solution=None if record.solution_json is None
+            else Solution.model_validate_json(record.solution_json),
+            error=record.error,
+        )
+
+    def _finish_job(self, run: _Run, outcome: Outcome) -> None:
+        progress = _progress_dict(run.progress)
+        update = self._store.update_job
+        if isinstance(outcome, Solved):
+            update(run.key, JobStatus.SUCCEEDED, solution_json=outcome.solution_json,
+                   progress=progress)
+        elif isinstance(outcome, Infeasible):
+            update(run.key, JobStatus.FAILED, progress=progress,
+                   error=infeasible_problem(run.payload["budget_bytes"], outcome.min_budget_bytes))
+        elif isinstance(outcome, Cancelled):
+            partial = outcome.partial
+            update(run.key, JobStatus.CANCELLED, progress=progress,
+                   solution_json=partial.solution_json if isinstance(partial, Solved) else None)
+        else:
+            message = outcome.message if isinstance(outcome, Failed) else repr(outcome)
+            update(run.key, JobStatus.FAILED, progress=progress,
+                   error=problem_body(500, "Solve failed", message, type=SOLVE_FAILED))
+        log.info("job %s finished: %s", run.key, type(outcome).__name__)
+
+    @property
+    def queue_depth(self) -> int:
+        return self._pool.queue_depth
+
+
+def _mark_pareto(points: list[FrontierPoint]) -> None:
+    plans = [p for p in points if p.status in (SolveStatus.OPTIMAL, SolveStatus.FEASIBLE)]
+    for p in plans:
+        assert p.residual_bytes is not None and p.recompute_flops is not None
+        p.pareto = not any(
+            q is not p and q.residual_bytes is not None and q.recompute_flops is not None
+            and q.residual_bytes <= p.residual_bytes and q.recompute_flops <= p.recompute_flops
+            and (q.residual_bytes, q.recompute_flops) != (p.residual_bytes, p.recompute_flops)
+            for q in plans
+        )

@@ -1,0 +1,119 @@
+"""The worker process: runs solver calls for the pool, one at a time.
+
+This module is the entry point of a spawned process, so it imports only solver/
+(never FastAPI, never JAX). Results travel back as the small dataclasses below.
+"""
+
+from __future__ import annotations
+
+import signal
+import threading
+import time
+from dataclasses import dataclass
+from multiprocessing.connection import Connection
+from multiprocessing.synchronize import Event
+from typing import Any
+
+
+@dataclass(frozen=True)
+class Solved:
+    solution_json: str  # Solution.model_dump_json(): served byte for byte
+
+
+@dataclass(frozen=True)
+class Infeasible:
+    min_budget_bytes: int
+
+
+@dataclass(frozen=True)
+class BudgetRange:
+    min_feasible_budget: int
+    max_useful_budget: int
+
+
+@dataclass(frozen=True)
+class Failed:
+    message: str
+
+
+@dataclass(frozen=True)
+class ProgressReport:
+    incumbent_flops: int | None
+    bound_flops: int | None
+    elapsed_s: float
+
+
+WorkerResult = Solved | Infeasible | BudgetRange | Failed
+
+# Progress is forwarded at most this often unless the incumbent improved.
+_PROGRESS_INTERVAL_S = 0.1
+
+
+def _solve(conn: Connection, send_lock: threading.Lock, cancel: Event,
+           payload: dict[str, Any]) -> WorkerResult:
+    import solver
+    from solver.graph import CostGraph
+    from solver.solution import InfeasibleBudgetError, SolveOptions
+
+    graph = CostGraph.model_validate_json(payload["graph_json"])
+    options = SolveOptions.model_validate(payload["options"])
+    last = {"t": 0.0, "incumbent": None}
+
+    def progress(incumbent_flops: int | None, bound_flops: int | None, elapsed_s: float) -> None:
+        now = time.monotonic()
+        if incumbent_flops == last["incumbent"] and now - last["t"] < _PROGRESS_INTERVAL_S:
+            return
+        last.update(t=now, incumbent=incumbent_flops)
+        report = ProgressReport(
+            None if incumbent_flops is None else int(incumbent_flops),
+            None if bound_flops is None else int(bound_flops),
+            float(elapsed_s),
+        )
+        with send_lock:  # the solver may call back from its own threads
+            conn.send(report)
+
+    try:
+        solution = solver.solve(graph, payload["budget_bytes"], options,
+                                progress=progress, cancel=cancel)
+    except InfeasibleBudgetError as exc:
+        return Infeasible(exc.min_budget_bytes)
+    return Solved(solution.model_dump_json())
+
+
+def _budget_range(payload: dict[str, Any]) -> WorkerResult:
+    import solver
+    from solver.graph import CostGraph
+
+    graph = CostGraph.model_validate_json(payload["graph_json"])
+    return BudgetRange(
+        int(solver.min_feasible_budget(graph, tie=payload["tie"])),
+        int(solver.max_useful_budget(graph)),
+    )
+
+
+def worker_main(conn: Connection, cancel: Event) -> None:
+    """Serve ``(kind, payload)`` tasks from ``conn`` until it closes or sends ``None``."""
+    # Ctrl-C in a terminal reaches the whole process group; the parent decides when we stop.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    import solver  # noqa: F401  (warm the import before the first task)
+
+    send_lock = threading.Lock()
+    while True:
+        try:
+            task = conn.recv()
+        except (EOFError, OSError):
+            return
+        if task is None:
+            return
+        kind, payload = task
+        try:
+            if kind == "solve":
+                result = _solve(conn, send_lock, cancel, payload)
+            elif kind == "budget_range":
+                result = _budget_range(payload)
+            else:
+                result = Failed(f"unknown task kind {kind!r}")
+        except Exception as exc:  # a solver bug must fail the task, not the worker
+            result = Failed(f"{type(exc).__name__}: {exc}")
+        with send_lock:
+            conn.send(result)
