@@ -96,9 +96,11 @@ class _TangentGraph:
 class Context:
     loops: tuple[tuple[int, int], ...] = ()  # (scan id, length) from outermost in
 
-    @property
-    def multiplier(self) -> int:
-        return math.prod(length for _, length in self.loops)
+    def stacked(self, varying: frozenset[int]) -> int:
+        """How many times a value or an equation exists: once per iteration of
+        each enclosing scan it varies across. JAX hoists loop-invariant work
+        (and residuals) out of scans, in the forward and the backward pass."""
+        return math.prod(length for loop, length in self.loops if loop in varying)
 
     def enter(self, loop_id: int, length: int) -> Context:
         return Context((*self.loops, (loop_id, length)))
@@ -134,8 +136,8 @@ class _Walker:
     # ---- values and nodes -------------------------------------------------
 
     def new_value(self, aval, varying: frozenset[int], ctx: Context) -> int:
-        stacked = math.prod(length for loop, length in ctx.loops if loop in varying)
-        return self.builder.value(aval_bytes(aval) * stacked, tuple(getattr(aval, "shape", ())),
+        return self.builder.value(aval_bytes(aval) * ctx.stacked(varying),
+                                  tuple(getattr(aval, "shape", ())),
                                   str(getattr(aval, "dtype", "")))
 
     def node(self, eqn, ins: Sequence[Ref], ctx: Context, mode: NodeMode, key: str,
@@ -146,7 +148,8 @@ class _Walker:
             eqn.primitive.name,
             [r.value for r in ins if r.value is not None],
             [r.value for r in outs],
-            key=key, flops=flops, mode=mode, repeat=ctx.multiplier, source=jx.source_of(eqn),
+            key=key, flops=flops * ctx.stacked(varying), mode=mode,
+            repeat=ctx.stacked(varying), source=jx.source_of(eqn),
         )
         return outs
 
@@ -161,7 +164,8 @@ class _Walker:
         """
         outs = [self.new_value(a, varying, ctx) for a in out_avals]
         self.builder.node(name, sorted({v for v in inputs if v is not None}), outs, key=key,
-                          flops=flops, mode=mode, repeat=ctx.multiplier, source=source)
+                          flops=flops * ctx.stacked(varying), mode=mode,
+                          repeat=ctx.stacked(varying), source=source)
         return outs
 
     def staged(self, refs: Sequence[Ref], num_out: int,
@@ -198,7 +202,7 @@ class _Walker:
         return [read(x) for x in jaxpr.outvars]
 
     def known_eqn(self, eqn, refs: Sequence[Ref], ctx: Context) -> list[Ref]:
-        flops = eqn_flops(eqn) * ctx.multiplier
+        flops = eqn_flops(eqn)
         if jx.has_effects(eqn):  # always kept in the forward pass, whatever the policy says
             return self.node(eqn, refs, ctx, NodeMode.SAVE, "", flops)
         key = policy_key(eqn.primitive, [x.aval for x in eqn.invars], eqn.params)
@@ -313,7 +317,7 @@ class _Walker:
             self.next_cond += 1
             self.tie_groups.append({key, *(k for b in saved for k in b.keys)})
             slots = self.virtual("cond_branches", sorted(operands - {None}), slot_avals, varying,
-                                 ctx, mode=NodeMode.FREE, flops=flops * ctx.multiplier,
+                                 ctx, mode=NodeMode.FREE, flops=flops,
                                  source=source, key=key)
             # A zero-byte output every reader takes, so that recomputing the
             # branches is charged even when no residual slot exists.
@@ -342,8 +346,8 @@ class _Walker:
         tangent_outs: list[Ref] = []
         if not all(out_known):
             (marker,) = self.virtual("cond_backward", tangent_vals,
-                                     [jax.core.ShapedArray((), np.bool_)], frozenset(), ctx,
-                                     flops=tangent_flops * ctx.multiplier,
+                                     [jax.core.ShapedArray((), np.bool_)], varying, ctx,
+                                     flops=tangent_flops,
                                      key="" if tied else "cond_backward", source=source)
             tangent_outs = self.staged([r for r in ops if not r.known],
                                        len(out_known) - sum(out_known), [marker])
@@ -354,7 +358,7 @@ class _Walker:
                 continue
             vals, flops = needs(k)
             (v,) = self.virtual("cond_output", vals, [var.aval], varying, ctx,
-                                flops=max(flops - tangent_flops, 0) * ctx.multiplier,
+                                flops=max(flops - tangent_flops, 0),
                                 key="" if tied else "cond_output", source=source)
             results.append(Ref(v, True, varying))
         return results
@@ -370,7 +374,7 @@ class _Walker:
         # of it: its outputs are recomputed, never residuals.
         varying = frozenset().union(*(r.varying for r in refs))
         outs = self.virtual("while", [r.value for r in refs], [v.aval for v in eqn.outvars],
-                            varying, ctx, flops=eqn_flops(eqn) * ctx.multiplier,
+                            varying, ctx, flops=eqn_flops(eqn),
                             source=jx.source_of(eqn))
         return [Ref(v, True, varying) for v in outs]
 

@@ -145,6 +145,29 @@ def integer_side(x, w):
     return jnp.sum(jnp.tanh(h) * onehot) + jnp.sum(jnp.sin(h[jnp.arange(h.shape[0]), idx]))
 
 
+def transformer_stack(x, params):
+    """Transformer blocks under lax.scan, with a per-layer side output."""
+    def layer(h, p):
+        return _block(h, p), jnp.sum(h)
+    h, sums = lax.scan(layer, x, params)
+    return jnp.sum(h) + jnp.sum(sums)
+
+
+def nested_scan(x, ws):
+    def outer(h, w):
+        def inner(g, _):
+            return jnp.tanh(g @ w) + g, None
+        g, _ = lax.scan(inner, h, None, length=3)
+        return g, None
+    h, _ = lax.scan(outer, x, ws)
+    return jnp.sum(h ** 2)
+
+
+def _stacked_block_params(layers: int, d: int, f: int):
+    per_layer = [_block_params(10 * i, d, f) for i in range(layers)]
+    return jax.tree_util.tree_map(lambda *a: jnp.stack(a), *per_layer)
+
+
 def _corpus() -> dict[str, tuple[Callable, tuple]]:
     d, f, t = 16, 32, 8
     return {
@@ -161,6 +184,8 @@ def _corpus() -> dict[str, tuple[Callable, tuple]]:
         "while_loop": (while_fn, (_rng(30, 8, 8), _rng(31, 8, 8))),
         "mixed_bf16": (mixed_precision, (_rng(32, 8, 16), _rng(33, 16, 32), _rng(34, 32, 8))),
         "integer_side": (integer_side, (_rng(35, 8, 16), _rng(36, 16, 16))),
+        "transformer_stack": (transformer_stack, (_rng(37, t, d), _stacked_block_params(4, d, f))),
+        "nested_scan": (nested_scan, (_rng(38, 4, 8), _rng(39, 3, 8, 8) * 0.3)),
     }
 
 

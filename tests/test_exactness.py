@@ -9,13 +9,17 @@ holds to its own prediction the same way.
 
 from __future__ import annotations
 
+import random
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from client import extract_graph, optimize
+from client import KeyPolicy, extract_graph, optimize
+from client.extract import graph_of_traced, trace
 from client.measure import backward_flops, residual_bytes, xla_backward_flops
+from solver.semantics import evaluate
 from solver.solution import InfeasibleBudgetError
 from solver.solve import max_useful_budget, min_feasible_budget
 from tests.models import CORPUS
@@ -33,6 +37,27 @@ def budgets(fun, args) -> list[int]:
     graph = extract_graph(fun, *args)
     lo, hi = min_feasible_budget(graph), max_useful_budget(graph)
     return sorted({lo + int(f * (hi - lo)) for f in FRACTIONS})
+
+
+@pytest.mark.parametrize("name", sorted(CORPUS))
+def test_any_key_policy_is_predicted_exactly(name):
+    """The extraction alone, no solver: random save sets over the graph's keys
+    (expanded through its tie groups) cost what semantics.evaluate says."""
+    fun, args = CORPUS[name]
+    extraction = graph_of_traced(trace(fun, args, {}))
+    graph = extraction.graph
+    keys = sorted({k for k, m in zip(graph.node_key, graph.node_mode, strict=True)
+                   if k and m == "free"})
+    for seed in range(4):
+        rnd = random.Random(seed)
+        chosen = {k for k in keys if rnd.random() < 0.5}
+        saved = [k in chosen for k in graph.node_key]
+        policy_keys = frozenset().union(*(extraction.key_aliases.get(k, {k}) for k in chosen))
+        forced = {k for k, m in zip(graph.node_key, graph.node_mode, strict=True)
+                  if k and m == "save"}
+        policy = KeyPolicy(policy_keys | forced)
+        assert residual_bytes(jax.checkpoint(fun, policy=policy), *args) == \
+            evaluate(graph, saved).residual_bytes
 
 
 @pytest.mark.parametrize("name", sorted(CORPUS))
