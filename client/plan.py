@@ -9,6 +9,7 @@ from typing import Any
 
 import jax
 
+from client.budget import resolve_budget, split_auto_keywords
 from client.extract import Traced, graph_of_traced, trace
 from client.measure import Residual, backward_flops, saved_residuals
 from client.names import tag_every_value
@@ -16,7 +17,9 @@ from client.policy import KeyPolicy
 from solver.graph import CostGraph
 from solver.solution import Solution
 from solver.solve import solve
-from solver.units import parse_bytes
+
+# solve(graph, budget_bytes, **options) -> Solution: the local solver, or a server's.
+SolveFn = Callable[..., Solution]
 
 
 class PlanError(RuntimeError):
@@ -70,10 +73,11 @@ class Verification:
         return self.measured_bytes <= self.budget_bytes
 
 
-def _names_form(traced: Traced, budget_bytes: int, options: dict) -> NamesForm:
+def _names_form(traced: Traced, budget_bytes: int, options: dict,
+                solve_fn: SolveFn = solve) -> NamesForm:
     tagged = tag_every_value(traced)
     extraction = graph_of_traced(trace(tagged, traced_args(traced), {}), names=True)
-    solution = solve(extraction.graph, budget_bytes, **{**options, "tie": False})
+    solution = solve_fn(extraction.graph, budget_bytes, **{**options, "tie": False})
     saved = {extraction.graph.node_key[n] for n, d in enumerate(solution.node_decisions)
              if d == "save" and extraction.graph.node_key[n] in extraction.names_by_key}
     names = frozenset(extraction.names_by_key[k] for k in saved)
@@ -102,6 +106,7 @@ class Plan:
     options: dict[str, Any] = field(default_factory=dict, repr=False)
     _names: NamesForm | None = field(default=None, repr=False)
     key_aliases: dict[str, frozenset[str]] = field(default_factory=dict, repr=False)
+    solve_fn: SolveFn = field(default=solve, repr=False, compare=False)  # for the names form
 
     # ---- predictions ------------------------------------------------------
 
@@ -155,7 +160,8 @@ class Plan:
     def names(self) -> NamesForm:
         """The names form, solved at this plan's budget (built on first use)."""
         if self._names is None:
-            self._names = _names_form(self.traced, self.budget_bytes, self.options)
+            self._names = _names_form(self.traced, self.budget_bytes, self.options,
+                                      self.solve_fn)
         return self._names
 
     @property
@@ -196,8 +202,11 @@ class Plan:
 def optimize(fun: Callable, *args, budget: int | str, tie: bool = True, **options) -> Plan:
     """Solve for the checkpointing plan of ``fun`` at ``args`` under ``budget``.
 
-    ``budget`` is bytes of residuals, an int or a string like ``"12MiB"``.
-    ``options`` are ``solver.SolveOptions`` fields (``time_limit_s``,
+    ``budget`` is bytes of residuals, an int or a string like ``"12MiB"``, or
+    ``"auto"``: the device's memory less what the training step holds anyway
+    (see ``client.budget``; its keywords ``device_memory``, ``optimizer_state``,
+    ``argnums``, ``donate_argnums`` and ``headroom`` are taken here too).
+    Other ``options`` are ``solver.SolveOptions`` fields (``time_limit_s``,
     ``relative_gap``, ``backend``). Keyword arguments of ``fun`` itself are not
     taken here: bind them with ``functools.partial``.
 
@@ -210,12 +219,20 @@ def optimize(fun: Callable, *args, budget: int | str, tie: bool = True, **option
         >>> plan.verify(f, x, w).exact
         True
     """
-    budget_bytes = parse_bytes(budget)
+    return plan_for(fun, args, budget, tie, options, solve)
+
+
+def plan_for(fun: Callable, args: tuple, budget: int | str, tie: bool, options: dict[str, Any],
+             solve_fn: SolveFn) -> Plan:
+    """``optimize`` with the solve step given: ``RematClient`` passes the server's."""
+    options, auto = split_auto_keywords(options)
     traced = trace(fun, args, {})
     if tie:
         extraction = graph_of_traced(traced, name=getattr(fun, "__qualname__", ""))
-        solution = solve(extraction.graph, budget_bytes, tie=True, **options)
+        budget_bytes = resolve_budget(budget, traced, extraction.graph, auto)
+        solution = solve_fn(extraction.graph, budget_bytes, tie=True, **options)
         return Plan(extraction.graph, solution, traced, dict(options),
-                    key_aliases=extraction.key_aliases)
-    names = _names_form(traced, budget_bytes, dict(options))
-    return Plan(names.graph, names.solution, traced, dict(options), names)
+                    key_aliases=extraction.key_aliases, solve_fn=solve_fn)
+    budget_bytes = resolve_budget(budget, traced, None, auto)
+    names = _names_form(traced, budget_bytes, dict(options), solve_fn)
+    return Plan(names.graph, names.solution, traced, dict(options), names, solve_fn=solve_fn)

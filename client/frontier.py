@@ -1,0 +1,140 @@
+"""The budget sweep: recompute FLOPs against residual memory, and JAX's built-ins beside it.
+
+``frontier`` solves locally with the budgets and Pareto marks the service's
+``POST /v1/frontier`` uses, and returns the same ``Frontier`` model that
+``RematClient.frontier`` parses from the server, so either feeds
+``client.plot.plot_frontier``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from solver.graph import CostGraph
+from solver.semantics import baseline_backward_flops, evaluate
+from solver.solution import InfeasibleBudgetError, SolveOptions, SolveStatus
+from solver.solve import max_useful_budget, min_feasible_budget, resolve_options, solve
+
+DEFAULT_POINTS = 12
+
+
+class FrontierPoint(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    budget_bytes: int
+    status: SolveStatus
+    residual_bytes: int | None = None
+    recompute_flops: int | None = None
+    pareto: bool = False  # no other point has both fewer bytes and fewer FLOPs
+    min_budget_bytes: int | None = None  # infeasible budgets: the smallest feasible one
+
+
+class Frontier(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    graph_hash: str
+    options: SolveOptions
+    min_feasible_budget: int | None = None
+    max_useful_budget: int | None = None
+    points: list[FrontierPoint] = Field(default_factory=list)
+
+    @property
+    def plans(self) -> list[FrontierPoint]:
+        """Points with a plan, by residual bytes."""
+        return sorted((p for p in self.points if p.residual_bytes is not None),
+                      key=lambda p: (p.residual_bytes, p.recompute_flops))
+
+
+def spaced_budgets(low: int, high: int, count: int) -> list[int]:
+    """``count`` budgets evenly spaced from ``low`` to ``high`` (both included)."""
+    if count < 2:
+        raise ValueError(f"a sweep needs at least 2 points, got {count}")
+    return sorted({low + (high - low) * i // (count - 1) for i in range(count)})
+
+
+def frontier(graph: CostGraph, budgets: Sequence[int] | None = None,
+             count: int | None = DEFAULT_POINTS, *, also: Sequence[int] = (),
+             **options: object) -> Frontier:
+    """Solve ``graph`` once per budget: explicit ``budgets``, or ``count`` spaced ones
+    from the smallest feasible budget to the largest useful one (plus the feasible
+    ones in ``also``)."""
+    resolved = resolve_options(None, dict(options))
+    low = high = None
+    if budgets is None:
+        if count is None:
+            raise ValueError("give budgets or count")
+        low, high = min_feasible_budget(graph, resolved.tie), max_useful_budget(graph)
+        budgets = spaced_budgets(low, high, count) + [b for b in also if low <= b <= high]
+    points = []
+    for budget in sorted(set(budgets)):
+        try:
+            sol = solve(graph, budget, resolved)
+        except InfeasibleBudgetError as err:
+            points.append(FrontierPoint(budget_bytes=budget, status=SolveStatus.INFEASIBLE,
+                                        min_budget_bytes=err.min_budget_bytes))
+            continue
+        points.append(FrontierPoint(budget_bytes=budget, status=sol.status,
+                                    residual_bytes=sol.residual_bytes,
+                                    recompute_flops=sol.recompute_flops))
+    mark_pareto(points)
+    return Frontier(graph_hash=graph.content_hash, options=resolved, min_feasible_budget=low,
+                    max_useful_budget=high, points=points)
+
+
+def mark_pareto(points: list[FrontierPoint]) -> None:
+    """Set ``pareto`` on the plans no other plan beats in both bytes and FLOPs."""
+    plans = [(p, (p.residual_bytes, p.recompute_flops)) for p in points
+             if p.residual_bytes is not None and p.recompute_flops is not None]
+    for p, cost in plans:
+        p.pareto = not any(other[0] <= cost[0] and other[1] <= cost[1] and other != cost
+                           for _, other in plans)
+
+
+# ---- JAX's built-in policies ---------------------------------------------------
+
+
+@dataclass(frozen=True)
+class PolicyPoint:
+    """What one policy costs: residual bytes and recompute FLOPs over everything_saveable."""
+
+    residual_bytes: int
+    recompute_flops: int
+
+
+def builtin_points(fun: Callable, *args: object) -> dict[str, PolicyPoint]:
+    """JAX's built-in policies on ``fun`` at ``args``, measured from JAX itself
+    (``saved_residuals`` and the backward pass's FLOPs)."""
+    import jax
+
+    from client.measure import backward_flops, residual_bytes
+
+    policies = jax.checkpoint_policies
+    builtins = {
+        "everything_saveable": policies.everything_saveable,
+        "dots_saveable": policies.dots_saveable,
+        "dots_with_no_batch_dims_saveable": policies.dots_with_no_batch_dims_saveable,
+        "nothing_saveable": policies.nothing_saveable,
+    }
+    base = backward_flops(jax.checkpoint(fun, policy=policies.everything_saveable), *args)
+    points = {}
+    for name, policy in builtins.items():
+        checkpointed = jax.checkpoint(fun, policy=policy)
+        points[name] = PolicyPoint(residual_bytes(checkpointed, *args),
+                                   backward_flops(checkpointed, *args) - base)
+    return points
+
+
+def graph_builtin_points(graph: CostGraph) -> dict[str, PolicyPoint]:
+    """The built-ins a graph alone determines (no function to measure): save every
+    equation the policy is offered, or none."""
+    base = baseline_backward_flops(graph)
+    everything = evaluate(graph, [bool(key) for key in graph.node_key])
+    nothing = evaluate(graph, [False] * graph.num_nodes)
+    return {
+        "everything_saveable": PolicyPoint(everything.residual_bytes,
+                                           everything.backward_flops - base),
+        "nothing_saveable": PolicyPoint(nothing.residual_bytes, nothing.backward_flops - base),
+    }
