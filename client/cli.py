@@ -10,6 +10,8 @@ import argparse
 import sys
 from collections.abc import Callable
 
+from client.commands import add_commands  # imports nothing heavy: commands import lazily
+
 
 def _serve(args: argparse.Namespace) -> int:
     from pydantic import ValidationError
@@ -46,6 +48,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--host", help="interface to bind (default: OPTIREMAT_HOST, 127.0.0.1)")
     serve.add_argument("--port", type=int, help="port (default: OPTIREMAT_PORT, 8000)")
     serve.set_defaults(run=_serve)
+    add_commands(parser, commands)
     return parser
 
 

@@ -1,0 +1,270 @@
+"""The client's subcommands of ``optiremat``: extract, solve, frontier, explain.
+
+Nothing heavy is imported at module level (``client.cli`` imports this for
+``--help``); each command imports JAX, the solver or matplotlib when it runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from solver.units import format_bytes
+
+EPILOG = """\
+a typical session:
+  optiremat extract model.py:loss            # writes loss.graph.json
+  optiremat solve loss.graph.json --budget 8GiB --out plan.json
+  optiremat explain plan.json                # what is saved, where, and what it costs
+  optiremat frontier loss.graph.json --plot frontier.png
+
+solve and frontier run in-process, or on a server with --server URL
+(or OPTIREMAT_SERVER; the API key from OPTIREMAT_API_KEY). Run
+'optiremat COMMAND --help' for each command's options."""
+
+Run = Callable[[argparse.Namespace], int]
+
+
+def add_commands(parser: argparse.ArgumentParser,
+                 commands: argparse._SubParsersAction) -> None:
+    """Register the client's subcommands on ``optiremat``'s parser."""
+    parser.epilog = EPILOG
+    parser.formatter_class = argparse.RawDescriptionHelpFormatter
+    raw = argparse.RawDescriptionHelpFormatter
+
+    extract = commands.add_parser(
+        "extract", help="trace a JAX function and write its cost graph", formatter_class=raw,
+        description="Trace MODULE:FUNCTION as jax.checkpoint would under jax.grad and write "
+                    "its cost graph as JSON (the body the service's /v1/solve takes).\n\n"
+                    "MODULE is a dotted module importable from the current directory, or a "
+                    "path to a .py file. It defines FUNCTION and the arguments to trace it "
+                    "with: 'example_args', a tuple or a function with no parameters that "
+                    "returns one (another name with --args).",
+        epilog="example:\n  optiremat extract examples/scan_jax.py:loss --out loss.graph.json")
+    extract.add_argument("target", metavar="MODULE:FUNCTION")
+    extract.add_argument("--args", default="example_args", metavar="NAME",
+                         help="attribute of MODULE holding the example arguments "
+                              "(default: example_args)")
+    extract.add_argument("-o", "--out", metavar="GRAPH.json",
+                         help="where to write the graph (default: FUNCTION.graph.json)")
+    extract.set_defaults(run=_reporting_errors(_extract))
+
+    solve = commands.add_parser(
+        "solve", help="solve a cost graph for a memory budget", formatter_class=raw,
+        description="Find the plan with the fewest recompute FLOPs whose residuals fit "
+                    "BUDGET, and write it (graph and solution together) as PLAN.json.",
+        epilog="example:\n  optiremat solve loss.graph.json --budget 8GiB --out plan.json")
+    solve.add_argument("graph", metavar="GRAPH.json")
+    solve.add_argument("--budget", required=True,
+                       help="residual memory: bytes, or with a unit (512MiB, 8GiB, 1.5GB)")
+    solve.add_argument("-o", "--out", metavar="PLAN.json",
+                       help="where to write the plan (default: GRAPH with .plan.json)")
+    _solver_options(solve)
+    solve.set_defaults(run=_reporting_errors(_solve))
+
+    frontier = commands.add_parser(
+        "frontier", help="sweep budgets: recompute FLOPs against residual memory",
+        formatter_class=raw,
+        description="Solve at evenly spaced budgets from the smallest feasible to the "
+                    "largest useful one, print the table and optionally plot it. Given "
+                    "MODULE:FUNCTION instead of a graph, JAX's built-in policies are "
+                    "measured and marked on the plot; a graph alone shows the two it "
+                    "determines (everything_saveable, nothing_saveable).",
+        epilog="example:\n  optiremat frontier loss.graph.json --plot frontier.png --points 16")
+    frontier.add_argument("source", metavar="GRAPH.json|MODULE:FUNCTION")
+    frontier.add_argument("--plot", metavar="OUT.png|OUT.svg", help="write the plot here")
+    frontier.add_argument("--points", type=int, default=12, metavar="N",
+                          help="number of budgets in the sweep (default: 12)")
+    frontier.add_argument("--args", default="example_args", metavar="NAME",
+                          help="with MODULE:FUNCTION: the example-arguments attribute")
+    _solver_options(frontier)
+    frontier.set_defaults(run=_reporting_errors(_frontier))
+
+    explain = commands.add_parser(
+        "explain", help="show what a plan saves, where, and what it costs",
+        formatter_class=raw,
+        description="Print a plan's totals and a table of the values it keeps for the "
+                    "backward pass: bytes, the FLOPs of the equation that made each (what "
+                    "saving it spares recomputing) and its source location.",
+        epilog="example:\n  optiremat explain plan.json --top 20")
+    explain.add_argument("plan", metavar="PLAN.json")
+    explain.add_argument("--top", type=int, metavar="N",
+                         help="show only the N largest saved values")
+    explain.set_defaults(run=_reporting_errors(_explain))
+
+
+def _solver_options(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("solver")
+    group.add_argument("--time-limit", type=float, metavar="SECONDS",
+                       help="wall-clock limit per solve (default: 60)")
+    group.add_argument("--gap", type=float, metavar="FRACTION",
+                       help="stop within this relative gap of optimal (default: 0)")
+    group.add_argument("--untied", action="store_true",
+                       help="decide equations one by one (names form only; see docs/api.md)")
+    group.add_argument("--server", default=os.environ.get("OPTIREMAT_SERVER"), metavar="URL",
+                       help="solve on this optiremat server (default: OPTIREMAT_SERVER, "
+                            "else in-process)")
+
+
+def _options(args: argparse.Namespace) -> dict[str, Any]:
+    options: dict[str, Any] = {"tie": not args.untied}
+    if args.time_limit is not None:
+        options["time_limit_s"] = args.time_limit
+    if args.gap is not None:
+        options["relative_gap"] = args.gap
+    return options
+
+
+def _remote(args: argparse.Namespace):
+    from client.remote import RematClient
+
+    return RematClient(args.server, api_key=os.environ.get("OPTIREMAT_API_KEY"))
+
+
+def _reporting_errors(run: Run) -> Run:
+    """Expected failures print one line and exit 1, not a traceback."""
+
+    def wrapped(args: argparse.Namespace) -> int:
+        from pydantic import ValidationError
+
+        from client.budget import BudgetError
+        from client.errors import RemoteError
+        from client.target import TargetError
+        from solver.graph import GraphError
+        from solver.solution import InfeasibleBudgetError
+
+        try:
+            return run(args)
+        except (InfeasibleBudgetError, RemoteError, BudgetError, TargetError, GraphError,
+                ValidationError, OSError, ValueError) as exc:
+            print(f"optiremat {args.command}: {exc}", file=sys.stderr)
+            return 1
+
+    return wrapped
+
+
+def _read_graph(path: str):
+    from solver.graph import CostGraph
+
+    return CostGraph.model_validate_json(Path(path).read_bytes())
+
+
+# ---- commands -----------------------------------------------------------------
+
+
+def _extract(args: argparse.Namespace) -> int:
+    from client.extract import extract_graph
+    from client.target import load_target
+
+    fun, fun_args = load_target(args.target, args.args)
+    graph = extract_graph(fun, *fun_args)
+    out = Path(args.out or f"{args.target.rpartition(':')[2]}.graph.json")
+    out.write_text(graph.model_dump_json() + "\n")
+    print(f"wrote {out}: {graph.num_nodes} nodes, {graph.num_values} values, "
+          f"graph {graph.content_hash[:12]}")
+    return 0
+
+
+def _solve(args: argparse.Namespace) -> int:
+    from client.planfile import PlanFile
+    from solver.solve import solve
+    from solver.units import parse_bytes
+
+    graph = _read_graph(args.graph)
+    budget = parse_bytes(args.budget)
+    if args.server:
+        with _remote(args) as remote:
+            solution = remote.solve(graph, budget, **_options(args))
+    else:
+        solution = solve(graph, budget, **_options(args))
+    out = Path(args.out or Path(args.graph).name.removesuffix(".json").removesuffix(".graph")
+               + ".plan.json")
+    PlanFile(graph=graph, solution=solution).write(out)
+    print(f"{solution.status}: {format_bytes(solution.residual_bytes)} of residuals within "
+          f"{format_bytes(budget)}, {solution.recompute_flops:,} recompute FLOPs "
+          f"(bound {solution.lower_bound_flops:,}); wrote {out}")
+    return 0
+
+
+def _frontier(args: argparse.Namespace) -> int:
+    from client.frontier import builtin_points, frontier, graph_builtin_points
+
+    if Path(args.source).is_file() or args.source.endswith(".json"):
+        graph = _read_graph(args.source)
+        builtins = graph_builtin_points(graph)
+        title = graph.name
+    else:
+        from client.extract import extract_graph
+        from client.target import load_target
+
+        fun, fun_args = load_target(args.source, args.args)
+        graph = extract_graph(fun, *fun_args)
+        builtins = builtin_points(fun, *fun_args)
+        title = args.source
+    if args.server:
+        with _remote(args) as remote:
+            sweep = remote.frontier(graph, count=args.points, **_options(args))
+    else:
+        sweep = frontier(graph, count=args.points,
+                         also=[p.residual_bytes for p in builtins.values()], **_options(args))
+
+    print(f"{'budget':>12} {'residuals':>12} {'recompute FLOPs':>16}  status")
+    for p in sweep.points:
+        residual = "-" if p.residual_bytes is None else format_bytes(p.residual_bytes)
+        flops = "-" if p.recompute_flops is None else f"{p.recompute_flops:,}"
+        mark = "" if p.pareto else "  (dominated)" if p.residual_bytes is not None else ""
+        print(f"{format_bytes(p.budget_bytes):>12} {residual:>12} {flops:>16}  {p.status}{mark}")
+    print("JAX built-in policies:")
+    for name, point in builtins.items():
+        print(f"{name:>34} {format_bytes(point.residual_bytes):>12} "
+              f"{point.recompute_flops:>16,}")
+    if args.plot:
+        from client.plot import plot_frontier
+
+        print(f"wrote {plot_frontier(sweep, args.plot, builtins=builtins, title=title)}")
+    return 0
+
+
+def _explain(args: argparse.Namespace) -> int:
+    from client.planfile import load_plan
+
+    plan = load_plan(args.plan)
+    graph, sol = plan.graph, plan.solution
+    print(f"plan for {graph.name or 'graph'} {graph.content_hash[:12]}: {sol.status}, "
+          f"solved by {sol.solver} {sol.solver_version} in {sol.solve_seconds:.2f} s")
+    if not sol.node_decisions:
+        print("no plan: the solver stopped before it found one")
+        return 1
+    evaluation = plan.evaluation()
+    recomputed = [n for n in evaluation.active if graph.node_key[n]]
+    print(f"budget {format_bytes(sol.budget_bytes)}; residuals {format_bytes(sol.residual_bytes)} "
+          f"in {len(evaluation.residuals)} values; {sol.recompute_flops:,} recompute FLOPs "
+          f"over {len(recomputed)} equations (lower bound {sol.lower_bound_flops:,})")
+
+    inputs = {graph.value_index[v] for v in graph.inputs}
+    rows = []
+    for v in evaluation.residuals:
+        node = graph.producer[v]
+        shape = f"{graph.value_dtype[v]}[{','.join(map(str, graph.value_shape[v]))}]"
+        if node is None:
+            rows.append((graph.value_bytes[v], "input", shape, None,
+                         "argument" if v in inputs else ""))
+        else:
+            rows.append((graph.value_bytes[v], graph.node_primitive[node], shape,
+                         graph.node_flops[node], graph.node_source[node]))
+    rows.sort(key=lambda r: (-r[0], r[4], r[1]))
+    shown = rows[:args.top] if args.top else rows
+    print()
+    print(f"{'bytes':>11} {'share':>6} {'FLOPs':>12}  {'op':<16} {'value':<22} source")
+    total = max(sol.residual_bytes, 1)
+    for nbytes, op, shape, flops, source in shown:
+        print(f"{format_bytes(nbytes):>11} {nbytes / total:>6.1%} "
+              f"{'-' if flops is None else f'{flops:,}':>12}  {op:<16} {shape:<22} "
+              f"{source or '-'}")
+    if len(shown) < len(rows):
+        print(f"... and {len(rows) - len(shown)} smaller values")
+    return 0
