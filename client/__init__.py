@@ -19,6 +19,18 @@ _EXPORTS = {
     "Verification": "client.plan",
     "KeyPolicy": "client.policy",
     "policy_key": "client.keys",
+    "RematClient": "client.remote",
+    "RemoteError": "client.errors",
+    "ProblemError": "client.errors",
+    "ConnectionFailed": "client.errors",
+    "memory_budget": "client.budget",
+    "MemoryBudget": "client.budget",
+    "BudgetError": "client.budget",
+    "sweep": "client.frontier",
+    "Frontier": "client.frontier",
+    "plot_frontier": "client.plot",
+    "PlanFile": "client.planfile",
+    "load_plan": "client.planfile",
 }
 
 __all__ = sorted(_EXPORTS)

@@ -191,7 +191,7 @@ def _solve(args: argparse.Namespace) -> int:
 
 
 def _frontier(args: argparse.Namespace) -> int:
-    from client.frontier import builtin_points, frontier, graph_builtin_points
+    from client.frontier import builtin_points, graph_builtin_points, sweep
 
     if Path(args.source).is_file() or args.source.endswith(".json"):
         graph = _read_graph(args.source)
@@ -207,13 +207,13 @@ def _frontier(args: argparse.Namespace) -> int:
         title = args.source
     if args.server:
         with _remote(args) as remote:
-            sweep = remote.frontier(graph, count=args.points, **_options(args))
+            result = remote.frontier(graph, count=args.points, **_options(args))
     else:
-        sweep = frontier(graph, count=args.points,
-                         also=[p.residual_bytes for p in builtins.values()], **_options(args))
+        result = sweep(graph, count=args.points,
+                       also=[p.residual_bytes for p in builtins.values()], **_options(args))
 
     print(f"{'budget':>12} {'residuals':>12} {'recompute FLOPs':>16}  status")
-    for p in sweep.points:
+    for p in result.points:
         residual = "-" if p.residual_bytes is None else format_bytes(p.residual_bytes)
         flops = "-" if p.recompute_flops is None else f"{p.recompute_flops:,}"
         mark = "" if p.pareto else "  (dominated)" if p.residual_bytes is not None else ""
@@ -225,7 +225,7 @@ def _frontier(args: argparse.Namespace) -> int:
     if args.plot:
         from client.plot import plot_frontier
 
-        print(f"wrote {plot_frontier(sweep, args.plot, builtins=builtins, title=title)}")
+        print(f"wrote {plot_frontier(result, args.plot, builtins=builtins, title=title)}")
     return 0
 
 

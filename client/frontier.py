@@ -55,7 +55,7 @@ def spaced_budgets(low: int, high: int, count: int) -> list[int]:
     return sorted({low + (high - low) * i // (count - 1) for i in range(count)})
 
 
-def frontier(graph: CostGraph, budgets: Sequence[int] | None = None,
+def sweep(graph: CostGraph, budgets: Sequence[int] | None = None,
              count: int | None = DEFAULT_POINTS, *, also: Sequence[int] = (),
              **options: object) -> Frontier:
     """Solve ``graph`` once per budget: explicit ``budgets``, or ``count`` spaced ones

@@ -12,7 +12,7 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
-from client.frontier import DEFAULT_POINTS, Frontier, PolicyPoint, builtin_points, frontier
+from client.frontier import DEFAULT_POINTS, Frontier, PolicyPoint, builtin_points, sweep
 
 FORMATS = (".png", ".svg")
 _MARKERS = {"everything_saveable": "s", "dots_saveable": "D",
@@ -87,7 +87,7 @@ def plot_function(fun: Callable, *args: Any, path: str | Path, points: int = DEF
     graph = extract_graph(fun, *args)
     builtins = builtin_points(fun, *args)
     # Solve at each built-in's bytes too: the plan there is the fair comparison.
-    sweep = frontier(graph, count=points, also=[p.residual_bytes for p in builtins.values()],
-                     **options)
+    swept = sweep(graph, count=points, also=[p.residual_bytes for p in builtins.values()],
+                  **options)
     title = getattr(fun, "__qualname__", "") or graph.name
-    return plot_frontier(sweep, path, builtins=builtins, title=title)
+    return plot_frontier(swept, path, builtins=builtins, title=title)

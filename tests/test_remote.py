@@ -1,0 +1,232 @@
+"""RematClient against a real ``optiremat serve`` on loopback: the remote Plan is the
+local Plan, transient failures are retried, the server's errors surface intact, and
+the job progress bar shows on a terminal only."""
+
+from __future__ import annotations
+
+import logging
+import os
+import pty
+import select
+import subprocess
+import sys
+import textwrap
+import time
+from collections.abc import Iterator
+
+import pytest
+
+import client
+from client.errors import NotFound, ProblemError, RemoteInfeasibleBudget
+from client.frontier import sweep
+from client.remote import RematClient
+from solver.solution import InfeasibleBudgetError
+from solver.solve import max_useful_budget, min_feasible_budget
+from tests.flaky_proxy import FlakyProxy
+from tests.models import CORPUS
+from tests.service_harness import REPO, Server, running_server
+
+# Under the server's cap on synchronous solves, so both sides solve the same request.
+OPTIONS = {"time_limit_s": 20.0}
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    yield from running_server(tmp_path_factory)
+
+
+@pytest.fixture
+def remote(server: Server) -> Iterator[RematClient]:
+    with RematClient(server.url) as c:
+        yield c
+
+
+def midpoint(fun, args) -> int:
+    graph = client.extract_graph(fun, *args)
+    return (min_feasible_budget(graph) + max_useful_budget(graph)) // 2
+
+
+@pytest.mark.parametrize("name", ["transformer_block", "cond"])
+def test_remote_plan_equals_local_plan_and_jax_saves_what_it_predicts(
+        remote: RematClient, name: str) -> None:
+    fun, args = CORPUS[name]
+    budget = midpoint(fun, args)
+    local = client.optimize(fun, *args, budget=budget, **OPTIONS)
+    plan = remote.optimize(fun, *args, budget=budget, **OPTIONS)
+
+    assert type(plan) is type(local)
+    assert plan.graph.content_hash == local.graph.content_hash
+    assert plan.solution.fingerprint() == local.solution.fingerprint()
+    assert plan.key_aliases == local.key_aliases
+    assert plan.policy == local.policy
+    check = plan.verify(fun, *args)
+    assert check.measured_bytes == plan.residual_bytes == local.residual_bytes
+    assert check.exact and check.within_budget
+
+
+def test_remote_untied_plan_solves_its_names_form_on_the_server(
+        remote: RematClient, server: Server) -> None:
+    fun, args = CORPUS["mlp"]
+    local = client.optimize(fun, *args, budget=9_000, tie=False, **OPTIONS)
+    plan = remote.optimize(fun, *args, budget=9_000, tie=False, **OPTIONS)
+    assert plan.names.names == local.names.names
+    assert plan.names.solution.fingerprint() == local.names.solution.fingerprint()
+    assert plan.verify().exact
+
+
+def test_an_infeasible_budget_raises_like_the_local_path_with_the_servers_message(
+        remote: RematClient) -> None:
+    fun, args = CORPUS["mlp"]
+    floor = min_feasible_budget(client.extract_graph(fun, *args))
+    with pytest.raises(InfeasibleBudgetError) as caught:
+        remote.optimize(fun, *args, budget=floor - 1)
+    err = caught.value
+    assert isinstance(err, RemoteInfeasibleBudget) and isinstance(err, ProblemError)
+    assert err.status == 422 and err.type == "urn:optiremat:problem:infeasible-budget"
+    assert err.min_budget_bytes == floor and err.budget_bytes == floor - 1
+    assert err.detail == (f"no plan keeps residuals within {floor - 1} bytes; the smallest "
+                          f"feasible budget for this graph is {floor} bytes")
+    assert err.detail in str(err)
+
+
+def test_other_errors_carry_the_problem_detail(remote: RematClient) -> None:
+    with pytest.raises(NotFound) as caught:
+        remote.job("no-such-job")
+    assert caught.value.problem["status"] == 404
+    assert "no job 'no-such-job'" in caught.value.detail
+
+
+def test_refused_connections_are_retried_until_the_server_listens(
+        server: Server, caplog: pytest.LogCaptureFixture) -> None:
+    proxy = FlakyProxy(server.port)
+
+    class ListenAfterTwoRefusals(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            message = record.getMessage()
+            if "ConnectError" in message and "retry 2 of" in message:
+                proxy.listen()
+
+    handler = ListenAfterTwoRefusals()
+    logging.getLogger("optiremat.client").addHandler(handler)
+    graph = _mlp_graph()
+    try:
+        with caplog.at_level(logging.WARNING, "optiremat.client"), \
+                RematClient(proxy.url, backoff_s=0.01) as flaky:
+            solution = flaky.solve(graph, 10**9)
+    finally:
+        logging.getLogger("optiremat.client").removeHandler(handler)
+        proxy.close()
+    refusals = [r for r in caplog.records if "ConnectError" in r.getMessage()]
+    assert len(refusals) == 2
+    assert solution.recompute_flops == 0  # every budget above saving everything
+
+
+def test_503_is_retried_and_uploads_are_gzip(server: Server) -> None:
+    proxy = FlakyProxy(server.port, unavailable=2)
+    proxy.listen()
+    graph = _mlp_graph()
+    try:
+        with RematClient(proxy.url, backoff_s=0.01) as flaky:
+            solution = flaky.solve(graph, 10**9)
+    finally:
+        proxy.close()
+    assert solution.graph_hash == graph.content_hash
+    (request,) = proxy.requests
+    head, _, body = request.partition(b"\r\n\r\n")
+    assert b"content-encoding: gzip" in head.lower()
+    assert not body or body.startswith(b"\x1f\x8b")  # gzip's magic, if it came along
+
+
+def test_a_server_that_never_answers_fails_after_the_retries() -> None:
+    proxy = FlakyProxy(1)  # never listens
+    try:
+        with RematClient(proxy.url, retries=1, backoff_s=0.01) as dead, \
+                pytest.raises(client.ConnectionFailed, match="ConnectError"):
+            dead.solve(_mlp_graph(), 10**9)
+    finally:
+        proxy.close()
+
+
+def test_jobs_submit_wait_and_frontier_match_the_local_answers(remote: RematClient) -> None:
+    fun, args = _mlp()
+    graph = client.extract_graph(fun, *args)
+    budget = midpoint(fun, args)
+    job = remote.submit(graph, budget, **OPTIONS)
+    assert job.graph_hash == graph.content_hash
+    solved = remote.wait(job, progress=False)
+    assert solved.fingerprint() == client.optimize(fun, *args, budget=budget,
+                                                   **OPTIONS).solution.fingerprint()
+    assert remote.job(job.id).status == "succeeded"
+
+    here = sweep(graph, count=4, **OPTIONS)
+    there = remote.frontier(graph, count=4, **OPTIONS)
+    assert there.points == here.points
+    assert there.min_feasible_budget == here.min_feasible_budget
+
+
+def test_auto_budget_works_remotely_with_device_memory(remote: RematClient) -> None:
+    fun, args = _mlp()
+    plan = remote.optimize(fun, *args, budget="auto", device_memory="40KiB", argnums=(1, 2, 3),
+                           **OPTIONS)
+    expected = client.memory_budget(fun, *args, device_memory="40KiB", argnums=(1, 2, 3))
+    assert plan.budget_bytes == expected.residual_budget
+    assert plan.verify(fun, *args).within_budget
+
+
+WAIT_SCRIPT = textwrap.dedent("""
+    import sys
+    from client.remote import RematClient
+    from solver.solve import max_useful_budget, min_feasible_budget
+    from tests.service_harness import tangled
+    # A solve that finds plans at once but cannot prove one optimal in its time limit.
+    graph = tangled(20, 8, seed=int(sys.argv[2]), name="progress")
+    low, high = min_feasible_budget(graph, tie=False), max_useful_budget(graph)
+    with RematClient(sys.argv[1]) as remote:
+        job = remote.submit(graph, low + (high - low) // 10, tie=False, time_limit_s=1.5)
+        solution = remote.wait(job)
+    print("done", solution.status)
+""")
+
+
+def test_progress_bar_shows_on_a_terminal_and_not_in_a_pipe(server: Server) -> None:
+    command = [sys.executable, "-c", WAIT_SCRIPT, server.url]
+    env = {**os.environ, "PYTHONPATH": str(REPO), "TERM": "xterm", "COLUMNS": "120"}
+
+    piped = subprocess.run([*command, "1"], cwd=REPO, env=env, capture_output=True,
+                           text=True, timeout=60, check=True)
+    assert piped.stdout.startswith("done")
+    assert piped.stderr == ""
+
+    leader, follower = pty.openpty()
+    process = subprocess.Popen([*command, "2"], cwd=REPO, env=env, stdout=subprocess.PIPE,
+                               stderr=follower, stdin=subprocess.DEVNULL)
+    os.close(follower)
+    screen = b""
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        ready, _, _ = select.select([leader], [], [], 0.2)
+        if ready:
+            try:
+                chunk = os.read(leader, 65536)
+            except OSError:  # the child closed the terminal
+                break
+            if not chunk:
+                break
+            screen += chunk
+        elif process.poll() is not None:
+            break
+    os.close(leader)
+    assert process.wait(timeout=30) == 0
+    assert process.stdout is not None and process.stdout.read().startswith(b"done")
+    text = screen.decode(errors="replace")
+    assert "optiremat job" in text
+    assert "incumbent" in text and "bound" in text
+
+
+def _mlp():
+    return CORPUS["mlp"]
+
+
+def _mlp_graph():
+    fun, args = CORPUS["mlp"]
+    return client.extract_graph(fun, *args)
