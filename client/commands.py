@@ -7,7 +7,9 @@ Nothing heavy is imported at module level (``client.cli`` imports this for
 from __future__ import annotations
 
 import argparse
+import math
 import os
+import re
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -249,7 +251,7 @@ def _explain(args: argparse.Namespace) -> int:
     rows = []
     for v in evaluation.residuals:
         node = graph.producer[v]
-        shape = f"{graph.value_dtype[v]}[{','.join(map(str, graph.value_shape[v]))}]"
+        shape = _value_text(graph.value_dtype[v], graph.value_shape[v], graph.value_bytes[v])
         if node is None:
             rows.append((graph.value_bytes[v], "input", shape, None,
                          "argument" if v in inputs else ""))
@@ -268,3 +270,13 @@ def _explain(args: argparse.Namespace) -> int:
     if len(shown) < len(rows):
         print(f"... and {len(rows) - len(shown)} smaller values")
     return 0
+
+
+def _value_text(dtype: str, shape: list[int], nbytes: int) -> str:
+    """``float32[32,64]``, with ``x16`` when a scan stacks it sixteen times."""
+    text = f"{dtype}[{','.join(map(str, shape))}]"
+    bits = re.search(r"(\d+)$", dtype)
+    one = math.prod(shape) * (int(bits.group(1)) // 8 if bits else 1)
+    if one and nbytes > one and nbytes % one == 0:
+        text += f" x{nbytes // one}"
+    return text

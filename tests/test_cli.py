@@ -1,0 +1,182 @@
+"""Every ``optiremat`` client command on a real graph: extract, solve (in-process and on a
+server), explain, frontier with a plot, and the help texts."""
+
+from __future__ import annotations
+
+import struct
+import subprocess
+import sys
+import textwrap
+from collections.abc import Iterator
+from pathlib import Path
+
+import jax
+import pytest
+
+from client.cli import main
+from client.measure import residual_bytes
+from client.planfile import load_plan
+from client.target import load_target
+from solver.graph import CostGraph
+from solver.solve import max_useful_budget, min_feasible_budget, solve
+from tests.service_harness import REPO, Server, running_server
+
+MODEL = textwrap.dedent("""
+    import jax.numpy as jnp
+
+    def loss(x, w1, w2):
+        h = jnp.tanh(x @ w1)
+        return jnp.sum(jnp.sin(h @ w2) * h)
+
+    def example_args():
+        return jnp.ones((8, 16)) * 0.1, jnp.ones((16, 16)) * 0.2, jnp.ones((16, 16)) * 0.3
+
+    small_args = (jnp.ones((2, 4)), jnp.ones((4, 4)), jnp.ones((4, 4)))
+""")
+
+
+@pytest.fixture(scope="module")
+def workdir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    path = tmp_path_factory.mktemp("cli")
+    (path / "cli_model.py").write_text(MODEL)
+    return path
+
+
+@pytest.fixture(scope="module")
+def graph_file(workdir: Path) -> Path:
+    out = workdir / "loss.graph.json"
+    assert main(["extract", f"{workdir / 'cli_model.py'}:loss", "--out", str(out)]) == 0
+    return out
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    yield from running_server(tmp_path_factory)
+
+
+def budget_between(graph: CostGraph) -> int:
+    return (min_feasible_budget(graph) + max_useful_budget(graph)) // 2
+
+
+def test_extract_writes_the_graph_of_the_function_and_its_example_args(
+        graph_file: Path, workdir: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    graph = CostGraph.model_validate_json(graph_file.read_bytes())
+    fun, args = load_target(f"{workdir / 'cli_model.py'}:loss")
+    from client import extract_graph
+    assert graph.content_hash == extract_graph(fun, *args).content_hash
+    assert {"tanh", "sin", "dot_general"} <= set(graph.node_primitive)
+
+    # another arguments attribute, a tuple this time; the default output name
+    small = workdir / "small.json"
+    assert main(["extract", f"{workdir / 'cli_model.py'}:loss", "--args", "small_args",
+                 "-o", str(small)]) == 0
+    assert CostGraph.model_validate_json(small.read_bytes()).value_shape[0] == [2, 4]
+    assert f"wrote {small}" in capsys.readouterr().out
+
+
+def test_solve_writes_a_plan_whose_policy_jax_honours(
+        graph_file: Path, workdir: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    graph = CostGraph.model_validate_json(graph_file.read_bytes())
+    budget = budget_between(graph)
+    out = workdir / "plan.json"
+    assert main(["solve", str(graph_file), "--budget", str(budget), "--out", str(out),
+                 "--time-limit", "20"]) == 0
+    assert "optimal" in capsys.readouterr().out
+
+    plan = load_plan(out)
+    assert plan.graph == graph
+    assert plan.solution.fingerprint() == solve(graph, budget, time_limit_s=20).fingerprint()
+    fun, args = load_target(f"{workdir / 'cli_model.py'}:loss")
+    measured = residual_bytes(jax.checkpoint(fun, policy=plan.policy()), *args)
+    assert measured == plan.solution.residual_bytes <= budget
+
+
+def test_solve_on_a_server_gives_the_same_plan(
+        graph_file: Path, workdir: Path, server: Server) -> None:
+    graph = CostGraph.model_validate_json(graph_file.read_bytes())
+    budget = budget_between(graph)
+    here, there = workdir / "here.plan.json", workdir / "there.plan.json"
+    assert main(["solve", str(graph_file), "--budget", str(budget), "-o", str(here),
+                 "--time-limit", "20"]) == 0
+    assert main(["solve", str(graph_file), "--budget", str(budget), "-o", str(there),
+                 "--time-limit", "20", "--server", server.url]) == 0
+    assert load_plan(here).solution.fingerprint() == load_plan(there).solution.fingerprint()
+
+
+def test_an_infeasible_budget_is_one_clear_line_and_exit_1(
+        graph_file: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    graph = CostGraph.model_validate_json(graph_file.read_bytes())
+    floor = min_feasible_budget(graph)
+    assert main(["solve", str(graph_file), "--budget", str(floor - 1)]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("optiremat solve: ") and f"is {floor} bytes" in err
+    assert err.count("\n") == 1
+
+
+def test_explain_lists_saved_values_with_sources_bytes_and_flops(
+        graph_file: Path, workdir: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    graph = CostGraph.model_validate_json(graph_file.read_bytes())
+    out = workdir / "explained.plan.json"
+    main(["solve", str(graph_file), "--budget", str(max_useful_budget(graph)), "-o", str(out)])
+    capsys.readouterr()
+    assert main(["explain", str(out)]) == 0
+    text = capsys.readouterr().out
+    header = next(line for line in text.splitlines() if line.lstrip().startswith("bytes"))
+    assert header.split() == ["bytes", "share", "FLOPs", "op", "value", "source"]
+    plan = load_plan(out)
+    rows = text.split(header)[1].strip().splitlines()
+    assert len(rows) == len(plan.evaluation().residuals)
+    assert any("cli_model.py:" in row and "tanh" in row for row in rows)
+    assert any("argument" in row for row in rows)
+
+    assert main(["explain", str(out), "--top", "2"]) == 0
+    assert "smaller values" in capsys.readouterr().out
+
+
+def png_size(path: Path) -> tuple[int, int]:
+    data = path.read_bytes()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n" and data[12:16] == b"IHDR"
+    return struct.unpack(">II", data[16:24])
+
+
+def test_frontier_prints_the_sweep_and_plots_it(
+        graph_file: Path, workdir: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    plot = workdir / "frontier.png"
+    assert main(["frontier", str(graph_file), "--plot", str(plot), "--points", "4"]) == 0
+    text = capsys.readouterr().out
+    assert "everything_saveable" in text and "nothing_saveable" in text
+    assert sum(" optimal" in line for line in text.splitlines()) >= 4
+    width, height = png_size(plot)
+    assert width > 400 and height > 300
+
+
+def test_frontier_of_a_function_marks_every_builtin(
+        workdir: Path, server: Server, capsys: pytest.CaptureFixture[str]) -> None:
+    plot = workdir / "frontier.svg"
+    assert main(["frontier", f"{workdir / 'cli_model.py'}:loss", "--plot", str(plot),
+                 "--points", "3", "--server", server.url]) == 0
+    text = capsys.readouterr().out
+    assert "dots_saveable" in text and "dots_with_no_batch_dims_saveable" in text
+    svg = plot.read_text()
+    assert svg.lstrip().startswith("<?xml") and "<svg" in svg
+
+
+def test_a_missing_example_args_is_explained(
+        workdir: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["extract", f"{workdir / 'cli_model.py'}:loss", "--args", "nope"]) == 1
+    assert "defines no 'nope'" in capsys.readouterr().err
+
+
+def test_help_reads_well_without_importing_jax() -> None:
+    script = ("import sys; from client.cli import main\n"
+              "try: main(sys.argv[1:])\n"
+              "except SystemExit: pass\n"
+              "assert 'jax' not in sys.modules, 'the CLI imported JAX for --help'\n")
+    top = subprocess.run([sys.executable, "-c", script, "--help"], cwd=REPO, text=True,
+                         capture_output=True, check=True).stdout
+    for command in ("serve", "extract", "solve", "frontier", "explain", "a typical session"):
+        assert command in top
+    for command in ("extract", "solve", "frontier", "explain"):
+        text = subprocess.run([sys.executable, "-c", script, command, "--help"], cwd=REPO,
+                              text=True, capture_output=True, check=True).stdout
+        assert f"usage: optiremat {command}" in text and "example:" in text
