@@ -2,17 +2,22 @@
 
 from __future__ import annotations
 
+import asyncio
 import hmac
-from typing import Annotated
+from typing import Annotated, Any, TypeVar
 
 from fastapi import Depends, Request
+from fastapi.exceptions import RequestValidationError
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
+from pydantic import BaseModel, ValidationError
 
 from service.config import Settings
 from service.problems import GRAPH_TOO_LARGE, ProblemError
 from service.solving import SolveManager
 from solver.graph import CostGraph
 from solver.solution import SolveOptions
+
+Body = TypeVar("Body", bound=BaseModel)
 
 _bearer = HTTPBearer(
     auto_error=False,
@@ -74,3 +79,34 @@ def cap_time_limit(options: SolveOptions, cap_s: float) -> SolveOptions:
     if options.time_limit_s <= cap_s:
         return options
     return options.model_copy(update={"time_limit_s": cap_s})
+
+
+def _validate_and_hash(model: type[Body], raw: bytes) -> Body:
+    body = model.model_validate_json(raw)
+    graph = getattr(body, "graph", None)
+    if isinstance(graph, CostGraph):
+        graph.content_hash  # noqa: B018  (cached: hash here, off the loop, not in a route)
+    return body
+
+
+async def parse_body(model: type[Body], raw: bytes) -> Body:
+    """Validate a JSON body in a thread, not in the event loop.
+
+    Checking a 100k-node graph takes seconds of Python; meanwhile the loop must keep
+    answering other requests and health probes. (Routes therefore read the body
+    themselves instead of letting FastAPI validate it; ``request_body`` documents it.)
+    """
+    try:
+        return await asyncio.to_thread(_validate_and_hash, model, raw)
+    except ValidationError as exc:
+        errors = exc.errors(include_url=False, include_input=False)
+        raise RequestValidationError(
+            [{**e, "loc": ("body", *e["loc"])} for e in errors]
+        ) from None
+
+
+def request_body(model: type[BaseModel]) -> dict[str, Any]:
+    """``openapi_extra`` for a route that reads ``model`` with ``parse_body``."""
+    schema = {"$ref": f"#/components/schemas/{model.__name__}"}
+    return {"requestBody": {"required": True,
+                            "content": {"application/json": {"schema": schema}}}}

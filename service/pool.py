@@ -21,7 +21,15 @@ from multiprocessing.synchronize import Event
 from typing import Any
 
 from service.metrics import Metrics
-from service.worker import Failed, Infeasible, ProgressReport, Solved, WorkerResult, worker_main
+from service.worker import (
+    Failed,
+    Infeasible,
+    ProgressReport,
+    Ready,
+    Solved,
+    WorkerResult,
+    worker_main,
+)
 
 log = logging.getLogger("optiremat.service")
 
@@ -45,7 +53,6 @@ Outcome = WorkerResult | Cancelled | Interrupted
 class Task:
     kind: str  # "solve" | "budget_range", see service.worker
     payload: dict[str, Any]
-    on_start: Callable[[], None] | None = None
     on_progress: Callable[[ProgressReport], None] | None = None
     future: asyncio.Future[Outcome] = field(init=False)
     cancel_requested: bool = field(default=False, init=False)
@@ -67,6 +74,7 @@ class _Worker:
         )
         self.process.start()
         child.close()
+        self.ready = False  # until it reports its imports done
 
     def stop_nowait(self) -> None:
         self.cancel.set()
@@ -105,8 +113,8 @@ class WorkerPool:
         return self._queue.qsize()
 
     @property
-    def alive_workers(self) -> int:
-        return sum(w.process.is_alive() for w in self._workers)
+    def ready_workers(self) -> int:
+        return sum(w.ready and w.process.is_alive() for w in self._workers)
 
     def submit(self, task: Task) -> asyncio.Future[Outcome]:
         task.future = asyncio.get_running_loop().create_future()
@@ -130,19 +138,18 @@ class WorkerPool:
     async def _serve(self, slot: int) -> None:
         loop = asyncio.get_running_loop()
         while True:
+            await self._ready_worker(loop, slot)  # warm before taking work
             task = await self._queue.get()
             self._metrics.queue_depth.set(self._queue.qsize())
             if task.future.done():
                 continue
-            worker = self._workers[slot]
-            if not worker.process.is_alive():
-                worker = self._respawn(slot)
+            worker = await self._ready_worker(loop, slot)  # it may have died while idle
+            if task.future.done():  # cancelled while the worker restarted
+                continue
             worker.cancel.clear()
             task.worker = worker
             self._running.add(task)
             self._metrics.busy_workers.inc()
-            if task.on_start is not None:
-                task.on_start()
             started = time.monotonic()
             try:
                 result: WorkerResult = await self._exchange(loop, worker, task)
@@ -163,6 +170,22 @@ class WorkerPool:
                 self._record_solve(result, task.cancel_requested, time.monotonic() - started)
             if not task.future.done():
                 task.future.set_result(Cancelled(result) if task.cancel_requested else result)
+
+    async def _ready_worker(self, loop: asyncio.AbstractEventLoop, slot: int) -> _Worker:
+        """The slot's worker, replaced if it died, once it has imported the solver."""
+        while True:
+            worker = self._workers[slot]
+            if not worker.process.is_alive():
+                worker = self._respawn(slot)
+            if worker.ready:
+                return worker
+            try:
+                worker.ready = isinstance(
+                    await loop.run_in_executor(self._io, worker.conn.recv), Ready)
+            except (EOFError, OSError):
+                log.error("worker %d exited while starting (exit code %s)", slot,
+                          worker.process.exitcode)
+                await asyncio.sleep(1.0)  # do not spin when every start fails
 
     async def _exchange(self, loop: asyncio.AbstractEventLoop, worker: _Worker,
                         task: Task) -> WorkerResult:

@@ -16,6 +16,7 @@ import contextlib
 import hashlib
 import json
 import logging
+from collections import OrderedDict
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from functools import cache
@@ -32,6 +33,7 @@ from solver.graph import CostGraph
 from solver.solution import Solution, SolveOptions, SolveStatus
 
 log = logging.getLogger("optiremat.service")
+BODY_MEMO_SIZE = 4096  # body digests remembered; 100 bytes each
 
 
 @cache
@@ -108,6 +110,8 @@ class SolveManager:
         self._metrics = metrics
         self._inflight: dict[str, _Run] = {}
         self._drivers: set[asyncio.Task[None]] = set()
+        # sha256 of a POST /v1/solve body -> its request hash (least recently used first)
+        self._body_keys: OrderedDict[bytes, str] = OrderedDict()
 
     async def start(self) -> None:
         """Requeue the jobs a previous server process left unfinished."""
@@ -169,7 +173,8 @@ class SolveManager:
             return stored
         if run.cancel_requested:
             return Cancelled(None)
-        payload = {**run.payload, "graph_json": run.graph.canonical_json()}
+        graph_json = await asyncio.to_thread(run.graph.canonical_json)  # MBs: off the loop
+        payload = {**run.payload, "graph_json": graph_json}
         run.task = Task(run.kind, payload,
                         on_progress=lambda report: setattr(run, "progress", report))
         outcome = await self._pool.submit(run.task)
@@ -182,10 +187,33 @@ class SolveManager:
 
     # ---- synchronous use ----------------------------------------------------
 
-    async def solve(self, graph: CostGraph, budget_bytes: int, options: SolveOptions) -> Outcome:
+    async def solve(self, graph: CostGraph, budget_bytes: int, options: SolveOptions,
+                    *, body_digest: bytes | None = None) -> Outcome:
+        """The answer for this request; ``body_digest`` lets ``stored_answer`` find it
+        again from the raw body alone."""
         run = self._run_solve(graph, budget_bytes, options)
+        if body_digest is not None:
+            self._body_keys[body_digest] = run.key
+            self._body_keys.move_to_end(body_digest)
+            if len(self._body_keys) > BODY_MEMO_SIZE:
+                self._body_keys.popitem(last=False)
         # shield: a client that hangs up must not cancel a run others may be waiting on
         return await asyncio.shield(run.future)
+
+    async def stored_answer(self, body_digest: bytes) -> Outcome | None:
+        """The stored answer for a body ``solve`` has seen, without parsing it again.
+
+        Sound because the request hash is a function of the body bytes (and of
+        settings, fixed for the process).
+        """
+        key = self._body_keys.get(body_digest)
+        if key is None:
+            return None
+        self._body_keys.move_to_end(body_digest)
+        stored = await asyncio.to_thread(self._store.get_result, key)
+        if stored is not None:
+            self._metrics.cache_hits.inc()
+        return stored
 
     async def budget_range(self, graph: CostGraph, tie: bool) -> Outcome:
         key = _budget_range_key(graph.content_hash, tie)
@@ -232,8 +260,8 @@ class SolveManager:
             return self._view(record), False
         spec = {"graph_hash": graph.content_hash, "budget_bytes": budget_bytes,
                 "options": options.model_dump(mode="json")}
-        await asyncio.to_thread(self._store.put_job, key, JobStatus.QUEUED, spec,
-                                graph.canonical_json())
+        graph_json = await asyncio.to_thread(graph.canonical_json)
+        await asyncio.to_thread(self._store.put_job, key, JobStatus.QUEUED, spec, graph_json)
         self._run_solve(graph, budget_bytes, options, as_job=True)
         record = await asyncio.to_thread(self._store.get_job, key)
         assert record is not None
@@ -285,7 +313,7 @@ class SolveManager:
                    progress=progress)
         elif isinstance(outcome, Infeasible):
             update(run.key, JobStatus.FAILED, progress=progress,
-                   error=infeasible_problem(run.payload["budget_bytes"], outcome.min_budget_bytes))
+                   error=infeasible_problem(outcome.budget_bytes, outcome.min_budget_bytes))
         elif isinstance(outcome, Cancelled):
             partial = outcome.partial
             update(run.key, JobStatus.CANCELLED, progress=progress,

@@ -57,7 +57,8 @@ def _encode(result: StoredResult) -> tuple[str, str]:
     if isinstance(result, Solved):
         return "solution", result.solution_json
     if isinstance(result, Infeasible):
-        return "infeasible", json.dumps({"min_budget_bytes": result.min_budget_bytes})
+        return "infeasible", json.dumps({"budget_bytes": result.budget_bytes,
+                                         "min_budget_bytes": result.min_budget_bytes})
     return "budget_range", json.dumps(
         {"min": result.min_feasible_budget, "max": result.max_useful_budget}
     )
@@ -68,7 +69,7 @@ def _decode(kind: str, body: str) -> StoredResult:
         return Solved(body)
     data = json.loads(body)
     if kind == "infeasible":
-        return Infeasible(data["min_budget_bytes"])
+        return Infeasible(data["budget_bytes"], data["min_budget_bytes"])
     return BudgetRange(data["min"], data["max"])
 
 

@@ -22,6 +22,7 @@ class Solved:
 
 @dataclass(frozen=True)
 class Infeasible:
+    budget_bytes: int
     min_budget_bytes: int
 
 
@@ -34,6 +35,11 @@ class BudgetRange:
 @dataclass(frozen=True)
 class Failed:
     message: str
+
+
+@dataclass(frozen=True)
+class Ready:
+    """Sent once, when the worker has imported the solver and takes tasks."""
 
 
 @dataclass(frozen=True)
@@ -76,7 +82,7 @@ def _solve(conn: Connection, send_lock: threading.Lock, cancel: Event,
         solution = solver.solve(graph, payload["budget_bytes"], options,
                                 progress=progress, cancel=cancel)
     except InfeasibleBudgetError as exc:
-        return Infeasible(exc.min_budget_bytes)
+        return Infeasible(exc.budget_bytes, exc.min_budget_bytes)
     return Solved(solution.model_dump_json())
 
 
@@ -98,6 +104,7 @@ def worker_main(conn: Connection, cancel: Event) -> None:
     import solver  # noqa: F401  (warm the import before the first task)
 
     send_lock = threading.Lock()
+    conn.send(Ready())
     while True:
         try:
             task = conn.recv()

@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
-from fastapi import APIRouter, Depends
+from fastapi import APIRouter, Depends, Request
 
 from service.deps import (
     ManagerDep,
     SettingsDep,
     cap_time_limit,
     check_graph_size,
+    parse_body,
+    request_body,
     require_api_key,
 )
 from service.models import Frontier, FrontierRequest
@@ -23,20 +25,18 @@ router = APIRouter(prefix="/v1", tags=["frontier"], dependencies=[Depends(requir
     response_model=Frontier,
     responses=problem_responses(400, 401, 409, 413, 415, 422, 500, 503),
     summary="Sweep budgets and return the trade-off curve",
+    openapi_extra=request_body(FrontierRequest),
 )
-async def frontier(
-    body: FrontierRequest,
-    settings: SettingsDep,
-    manager: ManagerDep,
-) -> Frontier:
+async def frontier(request: Request, settings: SettingsDep, manager: ManagerDep) -> Frontier:
     """Solve once per budget (each cached like ``/v1/solve``, with the same time-limit
     cap). With ``count``, budgets are spaced evenly from the smallest feasible budget to
     the largest useful one. Infeasible budgets come back as points with status
     ``infeasible``; ``pareto`` marks the points no other point beats."""
+    body = await parse_body(FrontierRequest, await request.body())
     check_graph_size(body.graph, settings)
     options = cap_time_limit(body.options, settings.sync_time_limit_s)
     result = await manager.frontier(body.graph, body.budgets, body.count, options)
     if not isinstance(result, Frontier):
-        raise_for_outcome(result, 0)
+        raise_for_outcome(result)
         raise AssertionError(f"unexpected outcome {result!r}")
     return result

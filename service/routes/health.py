@@ -22,7 +22,7 @@ async def healthz() -> Health:
     "/readyz",
     response_model=Readiness,
     responses=problem_responses(503),
-    summary="The store answers and every worker process is alive",
+    summary="The store answers and every worker process has started",
 )
 async def readyz(request: Request) -> Readiness:
     state = request.app.state
@@ -31,9 +31,9 @@ async def readyz(request: Request) -> Readiness:
         await asyncio.to_thread(state.store.ping)
     except Exception as exc:
         raise ProblemError(503, "Not ready", f"the result store does not answer: {exc}") from exc
-    if pool.alive_workers < pool.size:
+    if pool.ready_workers < pool.size:
         raise ProblemError(503, "Not ready",
-                           f"{pool.alive_workers} of {pool.size} worker processes are alive")
+                           f"{pool.ready_workers} of {pool.size} worker processes are ready")
     return Readiness(workers=pool.size, queue_depth=pool.queue_depth)
 
 

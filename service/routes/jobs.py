@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from fastapi import APIRouter, Depends
+from fastapi import APIRouter, Depends, Request
 from starlette.responses import Response
 
 from service.deps import (
@@ -10,6 +10,8 @@ from service.deps import (
     SettingsDep,
     cap_time_limit,
     check_graph_size,
+    parse_body,
+    request_body,
     require_api_key,
 )
 from service.models import Job, JobStatus, SolveRequest
@@ -34,15 +36,14 @@ def _not_found(job_id: str) -> ProblemError:
         **problem_responses(400, 401, 413, 415, 422, 500),
     },
     summary="Submit a solve as a background job",
+    response_description="The job, queued or running",
+    openapi_extra=request_body(SolveRequest),
 )
-async def submit_job(
-    body: SolveRequest,
-    response: Response,
-    settings: SettingsDep,
-    manager: ManagerDep,
-) -> Job:
+async def submit_job(request: Request, response: Response, settings: SettingsDep,
+                     manager: ManagerDep) -> Job:
     """Queue the solve; ``Location`` names the job. Submitting the same request again
     returns the same job (a failed or cancelled one is started again)."""
+    body = await parse_body(SolveRequest, await request.body())
     check_graph_size(body.graph, settings)
     options = cap_time_limit(body.options, settings.job_time_limit_s)
     job, _ = await manager.submit_job(body.graph, body.budget_bytes, options)

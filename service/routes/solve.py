@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from fastapi import APIRouter, Depends
+import hashlib
+
+from fastapi import APIRouter, Depends, Request
 from starlette.responses import Response
 
 from service.deps import (
@@ -10,6 +12,8 @@ from service.deps import (
     SettingsDep,
     cap_time_limit,
     check_graph_size,
+    parse_body,
+    request_body,
     require_api_key,
 )
 from service.models import SolveRequest
@@ -22,10 +26,10 @@ from solver.solution import Solution
 router = APIRouter(prefix="/v1", tags=["solve"], dependencies=[Depends(require_api_key)])
 
 
-def raise_for_outcome(outcome: Outcome, budget_bytes: int) -> None:
+def raise_for_outcome(outcome: Outcome) -> None:
     """Turn anything but a solution into the problem the client should see."""
     if isinstance(outcome, Infeasible):
-        body = infeasible_problem(budget_bytes, outcome.min_budget_bytes)
+        body = infeasible_problem(outcome.budget_bytes, outcome.min_budget_bytes)
         raise ProblemError(422, body["title"], body["detail"], type=body["type"],
                            min_budget_bytes=outcome.min_budget_bytes)
     if isinstance(outcome, Cancelled):
@@ -44,22 +48,27 @@ def raise_for_outcome(outcome: Outcome, budget_bytes: int) -> None:
     response_model=Solution,
     responses=problem_responses(400, 401, 409, 413, 415, 422, 500, 503),
     summary="Solve one graph for one budget, synchronously",
+    openapi_extra=request_body(SolveRequest),
 )
-async def solve(
-    body: SolveRequest,
-    settings: SettingsDep,
-    manager: ManagerDep,
-) -> Response:
+async def solve(request: Request, settings: SettingsDep, manager: ManagerDep) -> Response:
     """The plan minimising recompute FLOPs within ``budget_bytes``.
 
     ``options.time_limit_s`` is capped at the server's ``OPTIREMAT_SYNC_TIME_LIMIT_S``;
     use ``/v1/jobs`` for longer solves. Answers are cached by request hash and
     identical concurrent requests share one solve.
     """
-    check_graph_size(body.graph, settings)
-    options = cap_time_limit(body.options, settings.sync_time_limit_s)
-    outcome = await manager.solve(body.graph, body.budget_bytes, options)
-    raise_for_outcome(outcome, body.budget_bytes)
+    raw = await request.body()
+    # A body seen before (byte for byte) maps to its request hash: answer from the
+    # store without parsing and validating the graph again.
+    body_digest = hashlib.sha256(raw).digest()
+    outcome = await manager.stored_answer(body_digest)
+    if outcome is None:
+        body = await parse_body(SolveRequest, raw)
+        check_graph_size(body.graph, settings)
+        options = cap_time_limit(body.options, settings.sync_time_limit_s)
+        outcome = await manager.solve(body.graph, body.budget_bytes, options,
+                                      body_digest=body_digest)
+    raise_for_outcome(outcome)
     assert isinstance(outcome, Solved)
     # The stored bytes, as they are: every client gets the identical answer.
     return Response(outcome.solution_json, media_type="application/json")
