@@ -1,0 +1,146 @@
+"""Every bad input gets the right 4xx as problem+json, and the server keeps serving."""
+
+from __future__ import annotations
+
+import gzip
+import json
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import httpx
+import pytest
+
+import solver
+from tests.service_harness import Server, body, chain, running_server
+
+MAX_BODY = 200_000
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    yield from running_server(tmp_path_factory, workers="1", max_body_bytes=str(MAX_BODY),
+                              max_graph_nodes="300")
+
+
+@pytest.fixture(scope="module")
+def keyed_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    yield from running_server(tmp_path_factory, workers="1", api_keys="alpha-key, beta-key")
+
+
+def graph_json(**changes: Any) -> dict[str, Any]:
+    data = chain(4, name="bad").model_dump(mode="json")
+    data.update(changes)
+    return data
+
+
+def post_json(data: Any) -> Callable[[httpx.Client], httpx.Response]:
+    return lambda c: c.post("/v1/solve", json=data)
+
+
+def post_raw(content: bytes, **headers: str) -> Callable[[httpx.Client], httpx.Response]:
+    return lambda c: c.post("/v1/solve", content=content,
+                            headers={"Content-Type": "application/json", **headers})
+
+
+def gzip_bomb() -> bytes:
+    # 16 MB of spaces (valid JSON whitespace) in 16 kB of gzip: 80x the body limit
+    return gzip.compress(b" " * 16_000_000, compresslevel=9)
+
+
+# (what, request, status, words the detail must contain)
+BAD_INPUTS = [
+    ("malformed JSON", post_raw(b'{"graph": {"value_id": [0,'), 400, ["not valid JSON"]),
+    ("wrong schema_version", post_json({"graph": graph_json(schema_version=2),
+                                        "budget_bytes": 1}), 422, ["schema_version 2"]),
+    ("cyclic graph", post_json({"graph": graph_json(input_ids=[0, 2, 2, 3]),
+                                "budget_bytes": 10**6}), 422, ["cycle"]),
+    ("dangling id", post_json({"graph": graph_json(output_ids=[1, 2, 3, 9]),
+                               "budget_bytes": 10**6}), 422, ["value 9", "does not exist"]),
+    ("negative bytes", post_json({"graph": graph_json(value_bytes=[1024, -5, 1, 1, 1]),
+                                  "budget_bytes": 10**6}), 422, ["value_bytes"]),
+    ("negative budget", post_json({"graph": graph_json(), "budget_bytes": -1}), 422,
+     ["budget_bytes"]),
+    ("unknown option", post_json({"graph": graph_json(), "budget_bytes": 1,
+                                  "options": {"speed": "fast"}}), 422, ["options.speed"]),
+    ("body over the limit", post_raw(b" " * (MAX_BODY + 1)), 413, [str(MAX_BODY)]),
+    ("gzip bomb", post_raw(gzip_bomb(), **{"Content-Encoding": "gzip"}), 413,
+     ["inflates past"]),
+    ("bad gzip", post_raw(b"not gzip at all", **{"Content-Encoding": "gzip"}), 400, ["gzip"]),
+    ("unsupported encoding", post_raw(b"{}", **{"Content-Encoding": "br"}), 415, ["br"]),
+    ("not JSON", post_raw(b"graph=1", **{"Content-Type": "application/x-www-form-urlencoded"}),
+     415, ["Content-Type: application/json"]),
+    ("graph over the node limit", post_json(body(chain(301), 10**9)), 413,
+     ["301 nodes", "OPTIREMAT_MAX_GRAPH_NODES"]),
+    ("frontier without budgets or count",
+     lambda c: c.post("/v1/frontier", json={"graph": graph_json()}), 422, ["exactly one"]),
+    ("unknown path", lambda c: c.get("/v2/solve"), 404, ["/v2/solve"]),
+    ("wrong method", lambda c: c.get("/v1/solve"), 405, ["GET"]),
+]
+
+
+def assert_problem(response: httpx.Response, status: int, words: list[str]) -> dict[str, Any]:
+    assert response.status_code == status, response.text
+    assert response.headers["content-type"] == "application/problem+json"
+    problem = response.json()
+    assert problem["status"] == status
+    assert problem["title"] and problem["type"]
+    assert problem["request_id"] == response.headers["X-Request-ID"]
+    for word in words:
+        assert word in problem["detail"], problem
+    return problem
+
+
+@pytest.mark.parametrize(("request_", "status", "words"),
+                         [pytest.param(*case[1:], id=case[0]) for case in BAD_INPUTS])
+def test_bad_input_gets_a_clear_problem(server: Server, request_: Callable[..., httpx.Response],
+                                        status: int, words: list[str]) -> None:
+    with server.client() as client:
+        assert_problem(request_(client), status, words)
+        assert client.get("/readyz").status_code == 200  # and the server keeps serving
+
+
+def test_a_budget_below_the_smallest_feasible_one_names_that_budget(server: Server) -> None:
+    graph = chain(10, name="too-small")
+    smallest = solver.min_feasible_budget(graph)
+    with server.client() as client:
+        problem = assert_problem(client.post("/v1/solve", json=body(graph, smallest - 1)), 422,
+                                 [str(smallest)])
+        assert problem["min_budget_bytes"] == smallest
+        again = client.post("/v1/solve", json=body(graph, smallest - 1))  # now from the store
+        assert again.status_code == 422 and again.json()["detail"] == problem["detail"]
+        assert client.post("/v1/solve", json=body(graph, smallest)).status_code == 200
+
+
+def test_validation_problems_list_every_error(server: Server) -> None:
+    with server.client() as client:
+        problem = assert_problem(post_json({"graph": graph_json(value_bytes=[-1, -2, 1, 1, 1]),
+                                            "budget_bytes": -3})(client), 422, [])
+    locations = {tuple(e["loc"]) for e in problem["errors"]}
+    assert ("body", "budget_bytes") in locations
+    assert ("body", "graph", "value_bytes", 0) in locations
+
+
+def test_a_missing_or_wrong_api_key_is_401(keyed_server: Server) -> None:
+    request = body(chain(4, name="auth"), 10**6)
+    with keyed_server.client() as client:
+        missing = assert_problem(client.post("/v1/solve", json=request), 401, ["API key"])
+        assert client.post("/v1/solve", json=request).headers["WWW-Authenticate"] == "Bearer"
+        wrong = client.post("/v1/solve", json=request,
+                            headers={"Authorization": "Bearer gamma-key"})
+        assert_problem(wrong, 401, ["not valid"])
+        assert missing["type"] == "about:blank"
+        for key in ("alpha-key", "beta-key"):
+            ok = client.post("/v1/solve", json=request, headers={"Authorization": f"Bearer {key}"})
+            assert ok.status_code == 200, ok.text
+        assert_problem(client.get("/v1/jobs/" + "0" * 64), 401, [])
+        # probes and metrics stay open for the orchestrator and the scraper
+        for path in ("/healthz", "/readyz", "/metrics"):
+            assert client.get(path).status_code == 200
+
+
+def test_the_error_log_line_carries_the_request_id(server: Server) -> None:
+    with server.client() as client:
+        rid = client.post("/v1/solve", content=b"{",
+                          headers={"Content-Type": "application/json"}).headers["X-Request-ID"]
+    lines = [json.loads(x) for x in server.log().splitlines() if rid in x]
+    assert len(lines) == 1 and lines[0]["status"] == 400
