@@ -157,6 +157,13 @@ def test_jobs_submit_wait_and_frontier_match_the_local_answers(remote: RematClie
     assert solved.fingerprint() == client.optimize(fun, *args, budget=budget,
                                                    **OPTIONS).solution.fingerprint()
     assert remote.job(job.id).status == "succeeded"
+    as_job = remote.optimize(fun, *args, budget=budget, job=True, progress=False, **OPTIONS)
+    assert as_job.solution.fingerprint() == solved.fingerprint()
+
+    floor = min_feasible_budget(graph)
+    with pytest.raises(InfeasibleBudgetError, match=f"is {floor} bytes") as caught:
+        remote.wait(remote.submit(graph, floor - 1, **OPTIONS), progress=False)
+    assert caught.value.min_budget_bytes == floor
 
     here = sweep(graph, count=4, **OPTIONS)
     there = remote.frontier(graph, count=4, **OPTIONS)
