@@ -34,8 +34,8 @@ import httpx
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-import solver  # noqa: E402
 from solver.graph import CostGraph  # noqa: E402
+from solver.solve import max_useful_budget, min_feasible_budget  # noqa: E402
 from solver.synthetic import transformer_like  # noqa: E402
 
 HEADERS = {"Content-Type": "application/json"}
@@ -125,7 +125,7 @@ async def sustained(url: str, content: bytes, duration_s: float,
 
 def run(url: str, args: argparse.Namespace, graph: CostGraph) -> None:
     with httpx.Client(base_url=url, timeout=600) as client:
-        low, high = solver.min_feasible_budget(graph), solver.max_useful_budget(graph)
+        low, high = min_feasible_budget(graph), max_useful_budget(graph)
         # Distinct feasible budgets make distinct requests: each fresh one is a cache miss.
         fresh_bodies = [request_body(graph, low + (high - low) * (i + 1) // (args.fresh + 2))
                         for i in range(args.fresh)]

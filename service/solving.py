@@ -171,10 +171,12 @@ class SolveManager:
         if stored is not None:
             self._metrics.cache_hits.inc()
             return stored
-        if run.cancel_requested:
-            return Cancelled(None)
         graph_json = await asyncio.to_thread(run.graph.canonical_json)  # MBs: off the loop
+        if run.cancel_requested:  # cancelled before it reached the queue
+            return Cancelled(None)
         payload = {**run.payload, "graph_json": graph_json}
+        # No await between creating the task and queueing it: cancel_job sees either
+        # no task (and the check above) or a task it can cancel.
         run.task = Task(run.kind, payload,
                         on_progress=lambda report: setattr(run, "progress", report))
         outcome = await self._pool.submit(run.task)
@@ -240,9 +242,12 @@ class SolveManager:
                                             min_budget_bytes=outcome.min_budget_bytes))
             elif isinstance(outcome, Solved):
                 sol = Solution.model_validate_json(outcome.solution_json)
-                points.append(FrontierPoint(budget_bytes=budget, status=sol.status,
-                                            residual_bytes=sol.residual_bytes,
-                                            recompute_flops=sol.recompute_flops))
+                planned = sol.status != SolveStatus.TIMED_OUT  # timed out: no plan to report
+                points.append(FrontierPoint(
+                    budget_bytes=budget, status=sol.status,
+                    residual_bytes=sol.residual_bytes if planned else None,
+                    recompute_flops=sol.recompute_flops if planned else None,
+                ))
             else:
                 return outcome
         _mark_pareto(points)

@@ -57,9 +57,9 @@ _PROGRESS_INTERVAL_S = 0.1
 
 def _solve(conn: Connection, send_lock: threading.Lock, cancel: Event,
            payload: dict[str, Any]) -> WorkerResult:
-    import solver
     from solver.graph import CostGraph
     from solver.solution import InfeasibleBudgetError, SolveOptions
+    from solver.solve import solve
 
     graph = CostGraph.model_validate_json(payload["graph_json"])
     options = SolveOptions.model_validate(payload["options"])
@@ -79,7 +79,7 @@ def _solve(conn: Connection, send_lock: threading.Lock, cancel: Event,
             conn.send(report)
 
     try:
-        solution = solver.solve(graph, payload["budget_bytes"], options,
+        solution = solve(graph, payload["budget_bytes"], options,
                                 progress=progress, cancel=cancel)
     except InfeasibleBudgetError as exc:
         return Infeasible(exc.budget_bytes, exc.min_budget_bytes)
@@ -87,13 +87,13 @@ def _solve(conn: Connection, send_lock: threading.Lock, cancel: Event,
 
 
 def _budget_range(payload: dict[str, Any]) -> WorkerResult:
-    import solver
     from solver.graph import CostGraph
+    from solver.solve import max_useful_budget, min_feasible_budget
 
     graph = CostGraph.model_validate_json(payload["graph_json"])
     return BudgetRange(
-        int(solver.min_feasible_budget(graph, tie=payload["tie"])),
-        int(solver.max_useful_budget(graph)),
+        int(min_feasible_budget(graph, tie=payload["tie"])),
+        int(max_useful_budget(graph)),
     )
 
 
@@ -101,7 +101,7 @@ def worker_main(conn: Connection, cancel: Event) -> None:
     """Serve ``(kind, payload)`` tasks from ``conn`` until it closes or sends ``None``."""
     # Ctrl-C in a terminal reaches the whole process group; the parent decides when we stop.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    import solver  # noqa: F401  (warm the import before the first task)
+    import solver.solve  # noqa: F401  (warm the import before the first task)
 
     send_lock = threading.Lock()
     conn.send(Ready())

@@ -13,8 +13,8 @@ from typing import Any
 import httpx
 import pytest
 
-import solver
 from solver.solution import Solution, SolveOptions
+from solver.solve import max_useful_budget, min_feasible_budget, solve
 from tests.service_harness import Server, body, chain, layered, metric, running_server
 
 
@@ -41,12 +41,12 @@ def wait_for_job(client: httpx.Client, job_id: str, timeout_s: float = 60) -> di
 
 def test_a_solve_over_http_equals_the_in_process_solve(client: httpx.Client) -> None:
     graph = layered(12, 6, name="equal")
-    low, high = solver.min_feasible_budget(graph), solver.max_useful_budget(graph)
+    low, high = min_feasible_budget(graph), max_useful_budget(graph)
     budget = (low + high) // 2
     response = client.post("/v1/solve", json=body(graph, budget, time_limit_s=20))
     assert response.status_code == 200, response.text
     remote = Solution.model_validate(response.json())
-    local = solver.solve(graph, budget, SolveOptions(time_limit_s=20))
+    local = solve(graph, budget, SolveOptions(time_limit_s=20))
     assert remote.fingerprint() == local.fingerprint()
     assert remote.graph_hash == graph.content_hash
 
@@ -61,7 +61,7 @@ def test_the_sync_time_limit_is_capped_by_the_server(client: httpx.Client) -> No
 def test_64_identical_concurrent_requests_run_the_solver_once(client: httpx.Client,
                                                               server: Server) -> None:
     graph = layered(40, 10, name="single-flight")
-    low, high = solver.min_feasible_budget(graph), solver.max_useful_budget(graph)
+    low, high = min_feasible_budget(graph), max_useful_budget(graph)
     request = body(graph, low + (high - low) // 3)
     solves_before = metric(client, "optiremat_solves_total")
 
@@ -100,7 +100,7 @@ def test_a_gzip_body_gets_the_same_answer(client: httpx.Client) -> None:
 
 def test_a_job_runs_to_its_solution_and_resubmitting_finds_it(client: httpx.Client) -> None:
     graph = layered(10, 6, name="job")
-    budget = solver.max_useful_budget(graph) // 2
+    budget = max_useful_budget(graph) // 2
     submitted = client.post("/v1/jobs", json=body(graph, budget, time_limit_s=20))
     assert submitted.status_code == 202, submitted.text
     job = submitted.json()
@@ -139,7 +139,7 @@ def test_an_infeasible_job_fails_with_the_smallest_budget(client: httpx.Client) 
     job = client.post("/v1/jobs", json=body(graph, 1)).json()
     done = wait_for_job(client, job["id"])
     assert done["status"] == "failed"
-    assert done["error"]["min_budget_bytes"] == solver.min_feasible_budget(graph)
+    assert done["error"]["min_budget_bytes"] == min_feasible_budget(graph)
 
 
 def test_an_unknown_job_is_404(client: httpx.Client) -> None:
@@ -155,7 +155,7 @@ def test_the_frontier_spans_feasible_to_useful_budgets(client: httpx.Client) -> 
                                                   "count": 5})
     assert response.status_code == 200, response.text
     frontier = response.json()
-    low, high = solver.min_feasible_budget(graph), solver.max_useful_budget(graph)
+    low, high = min_feasible_budget(graph), max_useful_budget(graph)
     assert (frontier["min_feasible_budget"], frontier["max_useful_budget"]) == (low, high)
     points = frontier["points"]
     assert [p["budget_bytes"] for p in points] == [low + (high - low) * i // 4 for i in range(5)]
@@ -172,7 +172,7 @@ def test_the_frontier_spans_feasible_to_useful_budgets(client: httpx.Client) -> 
 def test_a_frontier_budget_below_the_minimum_is_an_infeasible_point(
         client: httpx.Client) -> None:
     graph = chain(10, name="frontier-budgets")
-    low = solver.min_feasible_budget(graph)
+    low = min_feasible_budget(graph)
     response = client.post("/v1/frontier", json={"graph": graph.model_dump(mode="json"),
                                                   "budgets": [low * 4, low - 1, low * 4]})
     assert response.status_code == 200, response.text

@@ -10,7 +10,7 @@ from typing import Any
 import httpx
 import pytest
 
-import solver
+from solver.solve import min_feasible_budget
 from tests.service_harness import Server, body, chain, running_server
 
 MAX_BODY = 200_000
@@ -101,7 +101,7 @@ def test_bad_input_gets_a_clear_problem(server: Server, request_: Callable[..., 
 
 def test_a_budget_below_the_smallest_feasible_one_names_that_budget(server: Server) -> None:
     graph = chain(10, name="too-small")
-    smallest = solver.min_feasible_budget(graph)
+    smallest = min_feasible_budget(graph)
     with server.client() as client:
         problem = assert_problem(client.post("/v1/solve", json=body(graph, smallest - 1)), 422,
                                  [str(smallest)])

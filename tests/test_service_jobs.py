@@ -11,8 +11,9 @@ from typing import Any
 import httpx
 import pytest
 
-import solver
+from solver.semantics import recompute_flops
 from solver.solution import Solution
+from solver.solve import max_useful_budget, min_feasible_budget
 from tests.service_harness import Server, body, chain, layered, metric, running_server, tangled
 
 
@@ -34,7 +35,7 @@ def poll(client: httpx.Client, job_id: str, until: Any, timeout_s: float = 60) -
 def test_cancel_stops_a_long_solve_within_a_second_and_keeps_the_incumbent(
         server: Server) -> None:
     graph = tangled(20, 8)
-    low, high = solver.min_feasible_budget(graph, tie=False), solver.max_useful_budget(graph)
+    low, high = min_feasible_budget(graph, tie=False), max_useful_budget(graph)
     budget = low + (high - low) // 10
     with server.client() as client:
         job = client.post("/v1/jobs", json=body(graph, budget, tie=False, time_limit_s=600))
@@ -56,7 +57,7 @@ def test_cancel_stops_a_long_solve_within_a_second_and_keeps_the_incumbent(
         assert kept.status == "feasible"
         assert kept.recompute_flops <= seen_incumbent
         assert kept.residual_bytes <= budget
-        assert kept.recompute_flops == solver.recompute_flops(
+        assert kept.recompute_flops == recompute_flops(
             graph, [d == "save" for d in kept.node_decisions])
 
         # the worker is free again at once, and the cancelled plan was not cached
@@ -86,7 +87,7 @@ def test_a_queued_job_is_dropped_on_cancel_and_restarts_on_resubmit(server: Serv
 
 def test_a_finished_job_survives_a_restart(tmp_path: Path) -> None:
     graph = layered(10, 6, name="durable")
-    request = body(graph, solver.max_useful_budget(graph) // 2)
+    request = body(graph, max_useful_budget(graph) // 2)
     server = Server(tmp_path / "data").start()
     try:
         with server.client() as client:

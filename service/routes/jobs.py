@@ -19,7 +19,6 @@ from service.problems import ProblemError, problem_responses
 
 router = APIRouter(prefix="/v1/jobs", tags=["jobs"], dependencies=[Depends(require_api_key)])
 
-_UNFINISHED = (JobStatus.QUEUED, JobStatus.RUNNING)
 
 
 def _not_found(job_id: str) -> ProblemError:
@@ -32,7 +31,7 @@ def _not_found(job_id: str) -> ProblemError:
     status_code=202,
     response_model=Job,
     responses={
-        200: {"model": Job, "description": "The same request finished before: its job"},
+        200: {"model": Job, "description": "The same request succeeded before: its job"},
         **problem_responses(400, 401, 413, 415, 422, 500),
     },
     summary="Submit a solve as a background job",
@@ -48,7 +47,7 @@ async def submit_job(request: Request, response: Response, settings: SettingsDep
     options = cap_time_limit(body.options, settings.job_time_limit_s)
     job, _ = await manager.submit_job(body.graph, body.budget_bytes, options)
     response.headers["Location"] = f"/v1/jobs/{job.id}"
-    if job.status not in _UNFINISHED:
+    if job.status == JobStatus.SUCCEEDED:
         response.status_code = 200
     return job
 
