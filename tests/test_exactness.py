@@ -121,9 +121,14 @@ def test_same_gradients_as_without_checkpointing(name):
                            for x in jax.tree_util.tree_leaves(a)))
     want = jax.jit(jax.grad(fun, argnums=argnums))(*args)
     got = jax.jit(jax.grad(plan.checkpoint(fun), argnums=argnums))(*args)
+    # Recomputing bf16 work in the backward pass rounds differently from the
+    # forward pass (XLA fuses it in higher precision); JAX pins only residuals
+    # with reduce_precision. So bf16 models agree to bf16 precision.
+    low_precision = name == "mixed_bf16"
     for w, g in zip(jax.tree_util.tree_leaves(want), jax.tree_util.tree_leaves(got), strict=True):
-        np.testing.assert_allclose(np.asarray(g, np.float32), np.asarray(w, np.float32),
-                                   rtol=2e-2 if w.dtype == jnp.bfloat16 else 1e-5, atol=1e-6)
+        w, g = np.asarray(w, np.float32), np.asarray(g, np.float32)
+        atol = 2e-2 * float(np.max(np.abs(w))) if low_precision else 1e-6
+        np.testing.assert_allclose(g, w, rtol=0 if low_precision else 1e-5, atol=atol)
 
 
 # XLA's cost analysis prices a loop body once, whatever its trip count, so
