@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from datetime import datetime
 from enum import StrEnum
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, model_validator
 
@@ -16,7 +16,7 @@ NonNegInt = Annotated[StrictInt, Field(ge=0)]
 MAX_FRONTIER_POINTS = 64
 
 
-def _example_graph() -> dict[str, object]:
+def _example_graph() -> dict[str, Any]:
     """x -> sin -> tanh, as extraction would write it: the example in openapi.json."""
     b = GraphBuilder("example")
     x = b.input(4096, (1024,), "float32")

@@ -26,7 +26,7 @@ from typing import Any
 from service.metrics import Metrics
 from service.models import Frontier, FrontierPoint, Job, JobStatus, Progress
 from service.pool import Cancelled, Interrupted, Outcome, Task, WorkerPool
-from service.problems import INFEASIBLE_BUDGET, SOLVE_FAILED, problem_body
+from service.problems import INFEASIBLE_BUDGET, SOLVE_FAILED, Problem, problem_body
 from service.store import JobRecord, Store
 from service.worker import BudgetRange, Failed, Infeasible, ProgressReport, Solved
 from solver.graph import CostGraph
@@ -307,7 +307,7 @@ class SolveManager:
             progress=None if progress is None else Progress.model_validate(progress),
             solution=None if record.solution_json is None
             else Solution.model_validate_json(record.solution_json),
-            error=record.error,
+            error=None if record.error is None else Problem.model_validate(record.error),
         )
 
     def _finish_job(self, run: _Run, outcome: Outcome) -> None:

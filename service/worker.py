@@ -63,7 +63,7 @@ def _solve(conn: Connection, send_lock: threading.Lock, cancel: Event,
 
     graph = CostGraph.model_validate_json(payload["graph_json"])
     options = SolveOptions.model_validate(payload["options"])
-    last = {"t": 0.0, "incumbent": None}
+    last: dict[str, Any] = {"t": 0.0, "incumbent": None}
 
     def progress(incumbent_flops: int | None, bound_flops: int | None, elapsed_s: float) -> None:
         now = time.monotonic()
@@ -79,8 +79,9 @@ def _solve(conn: Connection, send_lock: threading.Lock, cancel: Event,
             conn.send(report)
 
     try:
+        # A multiprocessing Event has threading.Event's is_set/wait: the parent sets it.
         solution = solve(graph, payload["budget_bytes"], options,
-                                progress=progress, cancel=cancel)
+                         progress=progress, cancel=cancel)  # type: ignore[arg-type]
     except InfeasibleBudgetError as exc:
         return Infeasible(exc.budget_bytes, exc.min_budget_bytes)
     return Solved(solution.model_dump_json())
