@@ -112,7 +112,8 @@ class Plan:
 
     @property
     def tied(self) -> bool:
-        return self.solution.options.tie and self._names is None
+        """Tied plans decide per policy key; untied ones were solved on the names graph."""
+        return self.solution.options.tie
 
     @property
     def status(self) -> str:

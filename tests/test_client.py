@@ -86,6 +86,8 @@ def test_verify_reports_prediction_and_measurement():
     assert check.exact and check.within_budget
     assert check.measured_bytes == sum(r.bytes for r in check.residuals)
     assert check.predicted_recompute_flops == plan.recompute_flops
+    assert plan.names.residual_bytes <= plan.budget_bytes
+    assert plan.verify(fun, *args).exact  # the names form leaves the key policy in charge
 
 
 def test_infeasible_budget_names_the_smallest_feasible_one():
