@@ -257,12 +257,13 @@ class SolveManager:
     # ---- jobs ---------------------------------------------------------------
 
     async def submit_job(self, graph: CostGraph, budget_bytes: int,
-                         options: SolveOptions) -> tuple[Job, bool]:
-        """The job for this request, and whether it was (re)started by this call."""
+                         options: SolveOptions) -> Job:
+        """The job for this request: the existing one, or a new (or restarted) one when
+        there is none or it failed or was cancelled."""
         key = solve_key(graph.content_hash, budget_bytes, options)
         record = await asyncio.to_thread(self._store.get_job, key)
         if record is not None and record.status not in (JobStatus.FAILED, JobStatus.CANCELLED):
-            return self._view(record), False
+            return self._view(record)
         spec = {"graph_hash": graph.content_hash, "budget_bytes": budget_bytes,
                 "options": options.model_dump(mode="json")}
         graph_json = await asyncio.to_thread(graph.canonical_json)
@@ -270,7 +271,7 @@ class SolveManager:
         self._run_solve(graph, budget_bytes, options, as_job=True)
         record = await asyncio.to_thread(self._store.get_job, key)
         assert record is not None
-        return self._view(record), True
+        return self._view(record)
 
     async def get_job(self, job_id: str) -> Job | None:
         record = await asyncio.to_thread(self._store.get_job, job_id)
@@ -328,10 +329,6 @@ class SolveManager:
             update(run.key, JobStatus.FAILED, progress=progress,
                    error=problem_body(500, "Solve failed", message, type=SOLVE_FAILED))
         log.info("job %s finished: %s", run.key, type(outcome).__name__)
-
-    @property
-    def queue_depth(self) -> int:
-        return self._pool.queue_depth
 
 
 def _mark_pareto(points: list[FrontierPoint]) -> None:

@@ -45,7 +45,7 @@ async def submit_job(request: Request, response: Response, settings: SettingsDep
     body = await parse_body(SolveRequest, await request.body())
     check_graph_size(body.graph, settings)
     options = cap_time_limit(body.options, settings.job_time_limit_s)
-    job, _ = await manager.submit_job(body.graph, body.budget_bytes, options)
+    job = await manager.submit_job(body.graph, body.budget_bytes, options)
     response.headers["Location"] = f"/v1/jobs/{job.id}"
     if job.status == JobStatus.SUCCEEDED:
         response.status_code = 200
