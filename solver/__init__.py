@@ -4,15 +4,33 @@ Pure pydantic + OR-Tools; never imports JAX.
 """
 
 from solver.graph import SCHEMA_VERSION, CostGraph, GraphBuilder, GraphError, NodeMode
-from solver.semantics import Evaluation, evaluate, recompute_flops
+from solver.semantics import Evaluation, baseline_backward_flops, evaluate, recompute_flops
+from solver.solution import (
+    Backend,
+    InfeasibleBudgetError,
+    Solution,
+    SolveOptions,
+    SolveStatus,
+)
+from solver.solve import ProgressCallback, max_useful_budget, min_feasible_budget, solve
 
 __all__ = [
     "SCHEMA_VERSION",
+    "Backend",
     "CostGraph",
     "Evaluation",
     "GraphBuilder",
     "GraphError",
+    "InfeasibleBudgetError",
     "NodeMode",
+    "ProgressCallback",
+    "Solution",
+    "SolveOptions",
+    "SolveStatus",
+    "baseline_backward_flops",
     "evaluate",
+    "max_useful_budget",
+    "min_feasible_budget",
     "recompute_flops",
+    "solve",
 ]

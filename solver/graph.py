@@ -77,6 +77,16 @@ class CostGraph(BaseModel):
 
     @model_validator(mode="before")
     @classmethod
+    def _integer_costs(cls, data: object) -> object:
+        # Pydantic runs "before" validators last-defined first: the version check wins.
+        if isinstance(data, dict):
+            from solver.validation import check_raw_columns
+
+            check_raw_columns(data)
+        return data
+
+    @model_validator(mode="before")
+    @classmethod
     def _known_schema_version(cls, data: object) -> object:
         if isinstance(data, dict):
             version = data.get("schema_version", SCHEMA_VERSION)

@@ -100,6 +100,31 @@ def _check_acyclic(g: CostGraph) -> None:
         _fail(f"the graph has a cycle through node {on_cycle}")
 
 
+# (column, id column, what the entry is, smallest allowed value)
+_INTEGER_COLUMNS = (
+    ("value_bytes", "value_id", "value", "bytes", 0),
+    ("node_flops", "node_id", "node", "flops", 0),
+    ("node_repeat", "node_id", "node", "repeat", 1),
+)
+
+
+def check_raw_columns(data: dict) -> None:
+    """Before field parsing: name the value or node whose cost is not an integer.
+
+    Pydantic alone would report a list position (``value_bytes.3``), which is
+    not the id a user can find in their graph.
+    """
+    for column, id_column, kind, what, least in _INTEGER_COLUMNS:
+        entries, ids = data.get(column), data.get(id_column)
+        if not isinstance(entries, list):
+            continue
+        ids = ids if isinstance(ids, list) else []
+        for i, entry in enumerate(entries):
+            if isinstance(entry, bool) or not isinstance(entry, int) or entry < least:
+                who = f"{kind} {ids[i]!r}" if i < len(ids) else f"{column} position {i}"
+                _fail(f"{who} has {what} {entry!r}; {what} must be an integer >= {least}")
+
+
 def check_graph(g: CostGraph) -> None:
     _check_columns(g)
     _check_ids(g)

@@ -1,0 +1,101 @@
+"""MILP backends behind one small interface.
+
+A backend is built once per formulation and then asked to minimise one of the
+two sums (recompute FLOPs or residual bytes) under caps on either, in the
+formulation's scaled units. Several phases of one solve reuse the model and
+warm-start from the previous phase's solution. Backends only search; turning
+their answer into an exact plan is ``solver.solve``'s job.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from enum import StrEnum
+from typing import Protocol
+
+from solver.formulation import Formulation
+from solver.solution import Backend
+
+# Called on each new incumbent with (objective, bound), both in scaled units.
+IncumbentCallback = Callable[[float, float], None]
+
+
+class Objective(StrEnum):
+    FLOPS = "flops"
+    BYTES = "bytes"
+
+
+class Outcome(StrEnum):
+    OPTIMAL = "optimal"  # proven within the requested relative gap
+    FEASIBLE = "feasible"  # stopped (time limit, cancel) with a solution
+    INFEASIBLE = "infeasible"
+    NO_SOLUTION = "no_solution"  # stopped before any solution was found
+
+
+@dataclass(frozen=True)
+class Goal:
+    """Minimise ``objective`` with both sums at most their cap (None: uncapped)."""
+
+    objective: Objective
+    bytes_cap: int | None = None
+    flops_cap: int | None = None
+
+
+@dataclass(frozen=True)
+class RawResult:
+    outcome: Outcome
+    decisions: tuple[bool, ...] | None  # one per formulation decision, None without a solution
+    bound: float  # best proven bound on the scaled objective (0 when nothing is known)
+
+
+class MilpBackend(Protocol):
+    name: str
+
+    def minimize(
+        self,
+        goal: Goal,
+        *,
+        time_limit_s: float,
+        relative_gap: float,
+        on_incumbent: IncumbentCallback | None = None,
+        cancel: threading.Event | None = None,
+    ) -> RawResult: ...
+
+
+def make_backend(kind: Backend, formulation: Formulation) -> MilpBackend:
+    if kind == Backend.CPSAT:
+        from solver.backends.cpsat import CpSatBackend
+
+        return CpSatBackend(formulation)
+    from solver.backends.scip import ScipBackend
+
+    return ScipBackend(formulation)
+
+
+@contextmanager
+def stop_when_set(cancel: threading.Event | None, stop: Callable[[], None]) -> Iterator[None]:
+    """Call ``stop`` from a watcher thread while ``cancel`` is set during the block.
+
+    ``stop`` is repeated on every poll: a request that lands just before the
+    solver has started would otherwise be lost.
+    """
+    if cancel is None:
+        yield
+        return
+    done = threading.Event()
+
+    def watch() -> None:
+        while not done.is_set():
+            if cancel.wait(0.02) and not done.is_set():
+                stop()
+
+    watcher = threading.Thread(target=watch, name="optiremat-cancel", daemon=True)
+    watcher.start()
+    try:
+        yield
+    finally:
+        done.set()
+        watcher.join()

@@ -1,0 +1,104 @@
+"""CP-SAT: integer-exact, deterministic with one worker and a fixed seed."""
+
+from __future__ import annotations
+
+import threading
+
+from ortools.sat.python import cp_model
+
+from solver.backends import (
+    Goal,
+    IncumbentCallback,
+    Objective,
+    Outcome,
+    RawResult,
+    stop_when_set,
+)
+from solver.formulation import Formulation
+
+SEED = 0
+
+
+class _Incumbents(cp_model.CpSolverSolutionCallback):
+    def __init__(self, report: IncumbentCallback) -> None:
+        super().__init__()
+        self._report = report
+
+    def on_solution_callback(self) -> None:
+        self._report(self.objective_value, self.best_objective_bound)
+
+
+class CpSatBackend:
+    name = "cpsat"
+
+    def __init__(self, formulation: Formulation) -> None:
+        self._f = formulation
+        model = cp_model.CpModel()
+        x = [model.new_bool_var(name) for name in formulation.var_names]
+        for clause in formulation.clauses:
+            model.add_bool_or([x[v] if positive else ~x[v] for v, positive in clause])
+        self._sums = {
+            Objective.FLOPS: formulation.recompute_flops,
+            Objective.BYTES: formulation.residual_bytes,
+        }
+        self._exprs = {
+            which: cp_model.LinearExpr.weighted_sum(
+                [x[v] for v, _ in s.terms], [c for _, c in s.terms]
+            )
+            for which, s in self._sums.items()
+        }
+        self._caps = {
+            which: model.add_linear_constraint(self._exprs[which], 0, s.max_scaled).with_name(
+                f"cap[{which}]"
+            )
+            for which, s in self._sums.items()
+        }
+        self._model = model
+        self._x = x
+        self._last: list[int] | None = None  # previous phase's solution, for the hint
+
+    def minimize(
+        self,
+        goal: Goal,
+        *,
+        time_limit_s: float,
+        relative_gap: float,
+        on_incumbent: IncumbentCallback | None = None,
+        cancel: threading.Event | None = None,
+    ) -> RawResult:
+        model = self._model
+        for which, cap in ((Objective.BYTES, goal.bytes_cap), (Objective.FLOPS, goal.flops_cap)):
+            self._caps[which].proto.linear.domain[1] = (
+                self._sums[which].max_scaled if cap is None else cap
+            )
+        model.clear_objective()
+        model.minimize(self._exprs[goal.objective])
+        model.clear_hints()
+        if self._last is not None:
+            for var, value in zip(self._x, self._last, strict=True):
+                model.add_hint(var, bool(value))
+
+        solver = cp_model.CpSolver()
+        params = solver.parameters
+        params.num_workers = 1  # one worker: the same answer on every run and host
+        params.random_seed = SEED
+        params.max_time_in_seconds = time_limit_s
+        params.relative_gap_limit = relative_gap
+        params.log_search_progress = False
+        # The LP over all constraints gives the bound that closes these models;
+        # the default level leaves the clauses out of it.
+        params.linearization_level = 2
+        callback = _Incumbents(on_incumbent) if on_incumbent is not None else None
+        with stop_when_set(cancel, solver.stop_search):
+            status = solver.solve(model, callback)
+
+        if status == cp_model.MODEL_INVALID:
+            raise RuntimeError(f"CP-SAT rejected the model: {model.validate()}")
+        if status == cp_model.INFEASIBLE:
+            return RawResult(Outcome.INFEASIBLE, None, 0.0)
+        if status not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
+            return RawResult(Outcome.NO_SOLUTION, None, solver.best_objective_bound)
+        self._last = list(solver.response_proto.solution)
+        decisions = tuple(bool(v) for v in self._last[: self._f.num_decisions])
+        outcome = Outcome.OPTIMAL if status == cp_model.OPTIMAL else Outcome.FEASIBLE
+        return RawResult(outcome, decisions, solver.best_objective_bound)

@@ -1,0 +1,270 @@
+"""Solve a cost graph for a budget: phases, exact checks and the Solution.
+
+A solve is lexicographic. Phase 1 minimises recompute FLOPs within the budget;
+phase 2 fixes the FLOPs at that optimum and minimises residual bytes, so of
+all equally cheap plans the answer is the leanest one; ``canonical`` then
+drops saves that have no effect. With deterministic solver settings the same
+request gives the same Solution on every run.
+
+Every plan a backend proposes is re-evaluated with ``semantics.evaluate``;
+reported bytes and FLOPs are those exact integers, never a solver's floats. A
+floating-point backend whose plan turns out over budget is asked again with a
+tighter cap, and after a few tries CP-SAT, which is exact, takes over.
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import ortools
+
+from solver.backends import Goal, MilpBackend, Objective, Outcome, RawResult, make_backend
+from solver.formulation import Formulation, build
+from solver.graph import CostGraph
+from solver.semantics import Evaluation, baseline_backward_flops, evaluate
+from solver.solution import (
+    Backend,
+    InfeasibleBudgetError,
+    Solution,
+    SolveOptions,
+    SolveStatus,
+)
+
+# progress(incumbent_flops, bound_flops, elapsed_s), FLOPs in recompute units.
+ProgressCallback = Callable[[int, int, float], None]
+
+MAX_TIGHTENINGS = 3  # re-solves of an over-budget floating-point plan before CP-SAT takes over
+BOUND_EPSILON = 1e-6  # a float bound this close below an integer counts as that integer
+
+
+def solve(
+    graph: CostGraph,
+    budget_bytes: int,
+    options: SolveOptions | None = None,
+    *,
+    progress: ProgressCallback | None = None,
+    cancel: threading.Event | None = None,
+    **overrides: Any,
+) -> Solution:
+    """The plan with the fewest recompute FLOPs whose residual bytes fit ``budget_bytes``.
+
+    ``overrides`` are SolveOptions fields (``solve(g, b, tie=False)``). Setting
+    ``cancel`` stops the search and returns the best plan found so far.
+    Raises InfeasibleBudgetError, naming the smallest feasible budget, when no
+    plan fits.
+    """
+    started = time.monotonic()
+    options = resolve_options(options, overrides)
+    if isinstance(budget_bytes, bool) or not isinstance(budget_bytes, int) or budget_bytes < 0:
+        raise ValueError(f"budget_bytes must be a non-negative integer, got {budget_bytes!r}")
+    return _Search(graph, options, started, progress, cancel).solve(budget_bytes)
+
+
+def min_feasible_budget(graph: CostGraph, tie: bool = True) -> int:
+    """The smallest residual bytes of any plan (tied by policy key when ``tie``)."""
+    options = SolveOptions(tie=tie, backend=Backend.CPSAT)
+    return _Search(graph, options, time.monotonic(), None, None).min_budget()
+
+
+def max_useful_budget(graph: CostGraph) -> int:
+    """Residual bytes of saving everything: no budget above this buys fewer FLOPs."""
+    return evaluate(graph, [True] * graph.num_nodes).residual_bytes
+
+
+def resolve_options(options: SolveOptions | None, overrides: dict[str, Any]) -> SolveOptions:
+    """``options`` with ``overrides`` applied, validated like a request."""
+    base = options or SolveOptions()
+    if not overrides:
+        return base
+    return SolveOptions.model_validate({**base.model_dump(), **overrides})
+
+
+@dataclass(frozen=True)
+class _Plan:
+    decisions: tuple[bool, ...]
+    evaluation: Evaluation
+    recompute_flops: int
+
+    @property
+    def residual_bytes(self) -> int:
+        return self.evaluation.residual_bytes
+
+
+class _Search:
+    """One request: the formulation, the clock, and the backends built so far."""
+
+    def __init__(
+        self,
+        graph: CostGraph,
+        options: SolveOptions,
+        started: float,
+        progress: ProgressCallback | None,
+        cancel: threading.Event | None,
+    ) -> None:
+        self.graph = graph
+        self.options = options
+        self.started = started
+        self.deadline = started + options.time_limit_s
+        self.progress = progress
+        self.cancel = cancel
+        self.f: Formulation = build(graph, options.tie)
+        self.baseline = baseline_backward_flops(graph)
+        self._backends: dict[Backend, MilpBackend] = {}
+
+    # ---- the request ------------------------------------------------------
+
+    def solve(self, budget: int) -> Solution:
+        kind = self.options.backend
+        plan: _Plan | None
+        if budget >= max_useful_budget(self.graph):
+            # Saving everything fits and runs the fewest nodes: phase 1 is answered.
+            save_all = self._plan((True,) * self.f.num_decisions)
+            fewest = float(self.f.recompute_flops.cap(save_all.recompute_flops))
+            first, plan = RawResult(Outcome.OPTIMAL, save_all.decisions, fewest), save_all
+        else:
+            kind, first, plan = self._min_flops(kind, budget)
+            if first.outcome == Outcome.INFEASIBLE:
+                min_budget = self.min_budget()
+                if min_budget <= budget:  # a floating-point backend was wrong; ask CP-SAT
+                    kind, first, plan = self._min_flops(Backend.CPSAT, budget)
+                else:
+                    raise InfeasibleBudgetError(budget, min_budget)
+        if plan is None:
+            return self._solution(budget, kind, SolveStatus.TIMED_OUT, None, 0)
+        if first.outcome == Outcome.OPTIMAL:
+            plan = self._leanest(kind, budget, plan)
+        lower_bound = min(self._flops_bound(first.bound), plan.recompute_flops)
+        proven = first.outcome == Outcome.OPTIMAL or lower_bound == plan.recompute_flops
+        status = SolveStatus.OPTIMAL if proven else SolveStatus.FEASIBLE
+        return self._solution(budget, kind, status, plan, lower_bound)
+
+    def min_budget(self) -> int:
+        """Smallest residual bytes over all plans, by CP-SAT (exact integers)."""
+        raw = self._run(Backend.CPSAT, Goal(Objective.BYTES))
+        extremes = [(True,) * self.f.num_decisions, (False,) * self.f.num_decisions]
+        candidates = extremes + ([raw.decisions] if raw.decisions is not None else [])
+        return min(self._plan(d).residual_bytes for d in candidates)
+
+    # ---- phases -----------------------------------------------------------
+
+    def _min_flops(
+        self, kind: Backend, budget: int
+    ) -> tuple[Backend, RawResult, _Plan | None]:
+        """Phase 1, with over-budget floating-point plans tightened and re-solved."""
+        cap = self.f.residual_bytes.cap(budget)
+        for attempt in range(MAX_TIGHTENINGS + 1):
+            if cap < 0:
+                raw = RawResult(Outcome.INFEASIBLE, None, 0.0)
+            else:
+                raw = self._run(kind, Goal(Objective.FLOPS, bytes_cap=cap), report=True)
+            if raw.decisions is None:
+                if raw.outcome == Outcome.INFEASIBLE and attempt > 0:
+                    break  # infeasible only because we tightened
+                return kind, raw, None
+            plan = self._plan(raw.decisions)
+            excess = plan.residual_bytes - budget
+            if excess <= 0:
+                return kind, raw, plan
+            cap -= -(-excess // self.f.residual_bytes.scale)
+        if kind == Backend.CPSAT:
+            raise AssertionError("CP-SAT returned a plan over budget; the formulation is wrong")
+        return self._min_flops(Backend.CPSAT, budget)
+
+    def _leanest(self, kind: Backend, budget: int, plan: _Plan) -> _Plan:
+        """Phase 2: the fewest residual bytes among plans with the optimal FLOPs."""
+        goal = Goal(
+            Objective.BYTES,
+            bytes_cap=self.f.residual_bytes.cap(budget),
+            flops_cap=self.f.recompute_flops.cap(plan.recompute_flops),
+        )
+        raw = self._run(kind, goal)
+        if raw.decisions is None:
+            return plan
+        lean = self._plan(raw.decisions)
+        better = (lean.recompute_flops, lean.residual_bytes) <= (
+            plan.recompute_flops,
+            plan.residual_bytes,
+        )
+        return lean if better and lean.residual_bytes <= budget else plan
+
+    # ---- helpers ----------------------------------------------------------
+
+    def _run(self, kind: Backend, goal: Goal, report: bool = False) -> RawResult:
+        remaining = self.deadline - time.monotonic()
+        if remaining <= 0 or (self.cancel is not None and self.cancel.is_set()):
+            return RawResult(Outcome.NO_SOLUTION, None, 0.0)
+        if kind not in self._backends:
+            self._backends[kind] = make_backend(kind, self.f)
+        on_incumbent = self._report if report and self.progress is not None else None
+        return self._backends[kind].minimize(
+            goal,
+            time_limit_s=remaining,
+            relative_gap=self.options.relative_gap,
+            on_incumbent=on_incumbent,
+            cancel=self.cancel,
+        )
+
+    def _report(self, objective: float, bound: float) -> None:
+        assert self.progress is not None
+        incumbent = self.f.recompute_flops.raw(round(objective))
+        lower = min(incumbent, self._flops_bound(bound))
+        self.progress(incumbent, lower, time.monotonic() - self.started)
+
+    def _flops_bound(self, bound: float) -> int:
+        """A solver's bound on the scaled objective as recompute FLOPs (integers: round up)."""
+        return max(0, self.f.recompute_flops.raw(math.ceil(bound - BOUND_EPSILON)))
+
+    def _plan(self, decisions: Sequence[bool]) -> _Plan:
+        evaluation = evaluate(self.graph, self.f.node_saves(self.graph, decisions))
+        return _Plan(tuple(decisions), evaluation, evaluation.backward_flops - self.baseline)
+
+    def _solution(
+        self,
+        budget: int,
+        kind: Backend,
+        status: SolveStatus,
+        plan: _Plan | None,
+        lower_bound: int,
+    ) -> Solution:
+        common = dict(
+            graph_hash=self.graph.content_hash,
+            budget_bytes=budget,
+            options=self.options,
+            status=status,
+            solver=kind.value,
+            solver_version=ortools.__version__,
+        )
+        if plan is None:  # stopped before any plan was found
+            return Solution(
+                **common,
+                residual_bytes=0,
+                recompute_flops=0,
+                lower_bound_flops=0,
+                gap=1.0,
+                saved_keys=[],
+                node_decisions=[],
+                solve_seconds=time.monotonic() - self.started,
+            )
+        decisions, evaluation = self.f.canonical(self.graph, plan.decisions)
+        recompute = evaluation.backward_flops - self.baseline
+        assert (recompute, evaluation.residual_bytes) == (
+            plan.recompute_flops,
+            plan.residual_bytes,
+        ), "dropping ineffective saves changed the cost"
+        saves = self.f.node_saves(self.graph, decisions)
+        keys = zip(self.f.decision_keys, decisions, strict=True)
+        return Solution(
+            **common,
+            residual_bytes=evaluation.residual_bytes,
+            recompute_flops=recompute,
+            lower_bound_flops=lower_bound,
+            gap=0.0 if recompute == lower_bound else (recompute - lower_bound) / recompute,
+            saved_keys=sorted({key for key, d in keys if d and key}),
+            node_decisions=["save" if s else "recompute" for s in saves],
+            solve_seconds=time.monotonic() - self.started,
+        )

@@ -1,0 +1,128 @@
+"""The cost-graph wire format: round trips, and every malformed graph rejected by id.
+
+Ids in the base graph differ from list positions (values 10..13, nodes 100..101)
+so that a message naming a position instead of an id fails the test.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+from collections.abc import Callable
+
+import pytest
+
+from solver import SCHEMA_VERSION, CostGraph, GraphBuilder
+
+
+def base() -> dict:
+    """sin(x) -> a; mul(a, x) -> (b, c); the backward pass reads a."""
+    return {
+        "schema_version": SCHEMA_VERSION,
+        "name": "base",
+        "value_id": [10, 11, 12, 13],
+        "value_bytes": [8, 16, 16, 4],
+        "value_shape": [[2], [4], [4], [1]],
+        "value_dtype": ["float32"] * 4,
+        "node_id": [100, 101],
+        "node_primitive": ["sin", "mul"],
+        "node_key": ["sin[4]", "mul[4]"],
+        "node_flops": [4, 4],
+        "node_mode": ["free", "free"],
+        "node_repeat": [1, 1],
+        "node_source": ["model.py:1", "model.py:2"],
+        "input_ptr": [0, 1, 3],
+        "input_ids": [10, 11, 10],
+        "output_ptr": [0, 1, 3],
+        "output_ids": [11, 12, 13],
+        "inputs": [10],
+        "backward_reads": [11],
+    }
+
+
+def test_base_graph_is_valid() -> None:
+    g = CostGraph.model_validate(base())
+    assert g.num_nodes == 2 and g.num_values == 4
+    assert g.producer == [None, 0, 1, 1]
+
+
+def test_json_round_trip_keeps_content_hash() -> None:
+    g = CostGraph.model_validate(base())
+    again = CostGraph.model_validate_json(g.model_dump_json())
+    assert again == g
+    assert again.content_hash == g.content_hash
+    assert CostGraph.model_validate_json(g.canonical_json()).content_hash == g.content_hash
+
+
+def test_content_hash_changes_with_content() -> None:
+    changed = base()
+    changed["node_flops"] = [4, 5]
+    assert CostGraph.model_validate(changed).content_hash != CostGraph.model_validate(
+        base()
+    ).content_hash
+
+
+def test_builder_graph_round_trips() -> None:
+    b = GraphBuilder("built")
+    x = b.input(8, (2,), "float32")
+    y = b.value(8, (2,), "float32")
+    b.node("tanh", [x], [y], key="tanh[2]", flops=2, source="f.py:3")
+    b.backward_reads.append(y)
+    g = b.build()
+    assert CostGraph.model_validate_json(g.model_dump_json()).content_hash == g.content_hash
+
+
+def _set(field: str, value: object) -> Callable[[dict], None]:
+    def mutate(d: dict) -> None:
+        d[field] = value
+
+    return mutate
+
+
+MALFORMED = {
+    # node 100 reads c, which node 101 writes from a, which node 100 writes
+    "cycle": (_set("input_ids", [12, 11, 10]), r"cycle through node 100"),
+    "dangling edge read": (_set("input_ids", [10, 11, 99]), r"node 101 \(mul\) reads value 99"),
+    "dangling edge write": (
+        _set("output_ids", [11, 12, 98]),
+        r"node 101 \(mul\) writes value 98",
+    ),
+    "dangling input": (_set("inputs", [10, 97]), r"inputs names value 97"),
+    "dangling backward read": (
+        _set("backward_reads", [11, 96]),
+        r"backward_reads names value 96",
+    ),
+    "negative bytes": (_set("value_bytes", [8, -16, 16, 4]), r"value 11 has bytes -16"),
+    "fractional bytes": (_set("value_bytes", [8, 16, 1.5, 4]), r"value 12 has bytes 1\.5"),
+    "string bytes": (_set("value_bytes", [8, 16, 16, "12"]), r"value 13 has bytes '12'"),
+    "duplicate value id": (_set("value_id", [10, 11, 11, 13]), r"duplicate value id 11"),
+    "duplicate node id": (_set("node_id", [100, 100]), r"duplicate node id 100"),
+    "value written twice": (
+        _set("output_ids", [11, 11, 13]),
+        r"value 11 is written by node 100 and node 101",
+    ),
+    "unknown schema version": (_set("schema_version", 7), r"unknown schema_version 7"),
+    "value column too short": (
+        _set("value_bytes", [8, 16, 16]),
+        r"value_bytes has 3 entries, value_id has 4",
+    ),
+    "node column too long": (
+        _set("node_flops", [4, 4, 4]),
+        r"node_flops has 3 entries, node_id has 2",
+    ),
+    "edge pointer too short": (_set("input_ptr", [0, 3]), r"input_ptr must have 3 entries"),
+    "value with no producer": (_set("inputs", []), r"value 10 has no producing node"),
+}
+
+
+@pytest.mark.parametrize("wire", [False, True], ids=["dict", "json"])
+@pytest.mark.parametrize("case", sorted(MALFORMED))
+def test_malformed_graph_is_rejected_naming_the_offender(case: str, wire: bool) -> None:
+    mutate, message = MALFORMED[case]
+    data = copy.deepcopy(base())
+    mutate(data)
+    with pytest.raises(ValueError, match=message):
+        if wire:
+            CostGraph.model_validate_json(json.dumps(data))
+        else:
+            CostGraph.model_validate(data)
