@@ -3,8 +3,11 @@
 A solve is lexicographic. Phase 1 minimises recompute FLOPs within the budget;
 phase 2 fixes the FLOPs at that optimum and minimises residual bytes, so of
 all equally cheap plans the answer is the leanest one; ``canonical`` then
-drops saves that have no effect. With deterministic solver settings the same
-request gives the same Solution on every run.
+drops saves that have no effect. Backends run single-threaded with fixed seeds
+and phase 2 is bounded by deterministic work, so the same request gives the
+same Solution on every run and host whenever phase 1 finishes inside
+``time_limit_s``; a search cut off by the wall clock or by ``cancel`` (status
+feasible) returns whatever it had at that moment.
 
 Every plan a backend proposes is re-evaluated with ``semantics.evaluate``;
 reported bytes and FLOPs are those exact integers, never a solver's floats. A
@@ -39,6 +42,7 @@ from solver.solution import (
 ProgressCallback = Callable[[int, int, float], None]
 
 MAX_TIGHTENINGS = 3  # re-solves of an over-budget floating-point plan before CP-SAT takes over
+PHASE2_WORK = 2.0  # phase 2's effort cap, relative to phase 1's
 BOUND_EPSILON = 1e-6  # a float bound this close below an integer counts as that integer
 
 
@@ -137,7 +141,7 @@ class _Search:
         if plan is None:
             return self._solution(budget, kind, SolveStatus.TIMED_OUT, None, 0)
         if first.outcome == Outcome.OPTIMAL:
-            plan = self._leanest(kind, budget, plan)
+            plan = self._leanest(kind, budget, plan, first.work)
         lower_bound = min(self._flops_bound(first.bound), plan.recompute_flops)
         proven = first.outcome == Outcome.OPTIMAL or lower_bound == plan.recompute_flops
         status = SolveStatus.OPTIMAL if proven else SolveStatus.FEASIBLE
@@ -175,15 +179,21 @@ class _Search:
             raise AssertionError("CP-SAT returned a plan over budget; the formulation is wrong")
         return self._min_flops(Backend.CPSAT, budget)
 
-    def _leanest(self, kind: Backend, budget: int, plan: _Plan) -> _Plan:
-        """Phase 2: the fewest residual bytes among plans with the optimal FLOPs."""
+    def _leanest(self, kind: Backend, budget: int, plan: _Plan, phase1_work: float) -> _Plan:
+        """Phase 2: the fewest residual bytes among plans with the optimal FLOPs.
+
+        Its effort is capped in deterministic units (at most ``PHASE2_WORK``
+        times phase 1's) and only a proven answer replaces phase 1's plan, so
+        whether the tie-break happened never depends on the machine's speed.
+        """
         goal = Goal(
             Objective.BYTES,
             bytes_cap=self.f.residual_bytes.cap(budget),
             flops_cap=self.f.recompute_flops.cap(plan.recompute_flops),
         )
-        raw = self._run(kind, goal)
-        if raw.decisions is None:
+        backend = self._backend(kind)
+        raw = self._run(kind, goal, work_limit=max(backend.min_work, PHASE2_WORK * phase1_work))
+        if raw.outcome != Outcome.OPTIMAL or raw.decisions is None:
             return plan
         lean = self._plan(raw.decisions)
         better = (lean.recompute_flops, lean.residual_bytes) <= (
@@ -194,17 +204,28 @@ class _Search:
 
     # ---- helpers ----------------------------------------------------------
 
-    def _run(self, kind: Backend, goal: Goal, report: bool = False) -> RawResult:
+    def _backend(self, kind: Backend) -> MilpBackend:
+        if kind not in self._backends:
+            self._backends[kind] = make_backend(kind, self.f)
+        return self._backends[kind]
+
+    def _run(
+        self,
+        kind: Backend,
+        goal: Goal,
+        *,
+        report: bool = False,
+        work_limit: float | None = None,
+    ) -> RawResult:
         remaining = self.deadline - time.monotonic()
         if remaining <= 0 or (self.cancel is not None and self.cancel.is_set()):
             return RawResult(Outcome.NO_SOLUTION, None, 0.0)
-        if kind not in self._backends:
-            self._backends[kind] = make_backend(kind, self.f)
         on_incumbent = self._report if report and self.progress is not None else None
-        return self._backends[kind].minimize(
+        return self._backend(kind).minimize(
             goal,
             time_limit_s=remaining,
             relative_gap=self.options.relative_gap,
+            work_limit=work_limit,
             on_incumbent=on_incumbent,
             cancel=self.cancel,
         )

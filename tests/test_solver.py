@@ -316,3 +316,19 @@ def test_variables_are_named_after_keys_nodes_and_values() -> None:
     assert any(name.startswith("active[node ") and "exp" in name for name in tied.var_names)
     assert any(name.startswith("residual[value ") for name in tied.var_names)
     assert len(set(tied.var_names)) == len(tied.var_names)
+
+
+def test_values_no_plan_needs_get_no_variables() -> None:
+    """A branch the backward pass never reads, even through recomputes, is not modelled."""
+    b = GraphBuilder("dead branch")
+    x = b.input(8)
+    used, dead, deader = b.value(8), b.value(8), b.value(8)
+    b.node("sin", [x], [used], key="sin", flops=1)
+    b.node("cos", [x], [dead], key="cos", flops=1)
+    b.node("exp", [dead], [deader], key="exp", flops=1)
+    b.backward_reads.append(used)
+    f = build(b.build(), tie=True)
+    assert f.var_names == (
+        "save[key sin]", "needed[value 0]", "active[node 0 sin]", "residual[value 1]"
+    )
+    assert f.decision_nodes == ((0,),)

@@ -19,6 +19,8 @@ from typing import Protocol
 from solver.formulation import Formulation
 from solver.solution import Backend
 
+CANCEL_POLL_S = 0.02  # how soon a cancel request reaches a running solver
+
 # Called on each new incumbent with (objective, bound), both in scaled units.
 IncumbentCallback = Callable[[float, float], None]
 
@@ -49,10 +51,16 @@ class RawResult:
     outcome: Outcome
     decisions: tuple[bool, ...] | None  # one per formulation decision, None without a solution
     bound: float  # best proven bound on the scaled objective (0 when nothing is known)
+    work: float = 0.0  # deterministic effort spent, in the backend's own unit
 
 
 class MilpBackend(Protocol):
+    """``work_limit`` caps deterministic effort (CP-SAT: deterministic seconds,
+    SCIP: branch-and-bound nodes), so where a bounded search stops does not
+    depend on the machine; ``min_work`` is the least worth asking for."""
+
     name: str
+    min_work: float
 
     def minimize(
         self,
@@ -60,6 +68,7 @@ class MilpBackend(Protocol):
         *,
         time_limit_s: float,
         relative_gap: float,
+        work_limit: float | None = None,
         on_incumbent: IncumbentCallback | None = None,
         cancel: threading.Event | None = None,
     ) -> RawResult: ...
@@ -79,6 +88,7 @@ def make_backend(kind: Backend, formulation: Formulation) -> MilpBackend:
 def stop_when_set(cancel: threading.Event | None, stop: Callable[[], None]) -> Iterator[None]:
     """Call ``stop`` from a watcher thread while ``cancel`` is set during the block.
 
+    Only ``cancel.is_set()`` is used, so a ``multiprocessing.Event`` works too.
     ``stop`` is repeated on every poll: a request that lands just before the
     solver has started would otherwise be lost.
     """
@@ -88,8 +98,8 @@ def stop_when_set(cancel: threading.Event | None, stop: Callable[[], None]) -> I
     done = threading.Event()
 
     def watch() -> None:
-        while not done.is_set():
-            if cancel.wait(0.02) and not done.is_set():
+        while not done.wait(CANCEL_POLL_S):
+            if cancel.is_set():
                 stop()
 
     watcher = threading.Thread(target=watch, name="optiremat-cancel", daemon=True)

@@ -30,6 +30,7 @@ class _Incumbents(cp_model.CpSolverSolutionCallback):
 
 class CpSatBackend:
     name = "cpsat"
+    min_work = 2.0  # deterministic seconds
 
     def __init__(self, formulation: Formulation) -> None:
         self._f = formulation
@@ -63,6 +64,7 @@ class CpSatBackend:
         *,
         time_limit_s: float,
         relative_gap: float,
+        work_limit: float | None = None,
         on_incumbent: IncumbentCallback | None = None,
         cancel: threading.Event | None = None,
     ) -> RawResult:
@@ -84,6 +86,8 @@ class CpSatBackend:
         params.random_seed = SEED
         params.max_time_in_seconds = time_limit_s
         params.relative_gap_limit = relative_gap
+        if work_limit is not None:
+            params.max_deterministic_time = work_limit
         params.log_search_progress = False
         # The LP over all constraints gives the bound that closes these models;
         # the default level leaves the clauses out of it.
@@ -94,11 +98,12 @@ class CpSatBackend:
 
         if status == cp_model.MODEL_INVALID:
             raise RuntimeError(f"CP-SAT rejected the model: {model.validate()}")
+        work = solver.deterministic_time
         if status == cp_model.INFEASIBLE:
-            return RawResult(Outcome.INFEASIBLE, None, 0.0)
+            return RawResult(Outcome.INFEASIBLE, None, 0.0, work)
         if status not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
-            return RawResult(Outcome.NO_SOLUTION, None, solver.best_objective_bound)
+            return RawResult(Outcome.NO_SOLUTION, None, solver.best_objective_bound, work)
         self._last = list(solver.response_proto.solution)
         decisions = tuple(bool(v) for v in self._last[: self._f.num_decisions])
         outcome = Outcome.OPTIMAL if status == cp_model.OPTIMAL else Outcome.FEASIBLE
-        return RawResult(outcome, decisions, solver.best_objective_bound)
+        return RawResult(outcome, decisions, solver.best_objective_bound, work)

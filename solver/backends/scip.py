@@ -45,6 +45,7 @@ SCIP_SETTINGS = "\n".join(
 
 class ScipBackend:
     name = "scip"
+    min_work = 1000.0  # branch-and-bound nodes
 
     def __init__(self, formulation: Formulation) -> None:
         solver = pywraplp.Solver.CreateSolver("SCIP")
@@ -78,6 +79,7 @@ class ScipBackend:
         *,
         time_limit_s: float,
         relative_gap: float,
+        work_limit: float | None = None,
         on_incumbent: IncumbentCallback | None = None,  # pywraplp reports no incumbents
         cancel: threading.Event | None = None,
     ) -> RawResult:
@@ -94,7 +96,10 @@ class ScipBackend:
             solver.SetHint(x, self._last)
 
         solver.SetTimeLimit(max(1, int(time_limit_s * 1000)))
-        solver.SetSolverSpecificParametersAsString(SCIP_SETTINGS)
+        nodes = -1 if work_limit is None else max(1, int(work_limit))
+        solver.SetSolverSpecificParametersAsString(
+            f"{SCIP_SETTINGS}\nlimits/totalnodes = {nodes}"
+        )
         params = pywraplp.MPSolverParameters()
         params.SetDoubleParam(params.RELATIVE_MIP_GAP, relative_gap)
         params.SetDoubleParam(params.PRIMAL_TOLERANCE, TOLERANCE)
@@ -102,13 +107,14 @@ class ScipBackend:
         with stop_when_set(cancel, solver.InterruptSolve):
             status = solver.Solve(params)
 
+        work = float(solver.nodes())
         if status == pywraplp.Solver.INFEASIBLE:
-            return RawResult(Outcome.INFEASIBLE, None, 0.0)
+            return RawResult(Outcome.INFEASIBLE, None, 0.0, work)
         bound = objective.BestBound()
         bound = bound if math.isfinite(bound) else 0.0
         if status not in (pywraplp.Solver.OPTIMAL, pywraplp.Solver.FEASIBLE):
-            return RawResult(Outcome.NO_SOLUTION, None, bound)
+            return RawResult(Outcome.NO_SOLUTION, None, bound, work)
         self._last = [var.solution_value() for var in x]
         decisions = tuple(value > 0.5 for value in self._last[: self._f.num_decisions])
         outcome = Outcome.OPTIMAL if status == pywraplp.Solver.OPTIMAL else Outcome.FEASIBLE
-        return RawResult(outcome, decisions, bound)
+        return RawResult(outcome, decisions, bound, work)
