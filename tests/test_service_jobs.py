@@ -14,6 +14,7 @@ import pytest
 from solver.semantics import recompute_flops
 from solver.solution import Solution
 from solver.solve import max_useful_budget, min_feasible_budget
+from solver.synthetic import transformer_like
 from tests.service_harness import Server, body, chain, layered, metric, running_server, tangled
 
 
@@ -34,9 +35,9 @@ def poll(client: httpx.Client, job_id: str, until: Any, timeout_s: float = 60) -
 
 def test_cancel_stops_a_long_solve_within_a_second_and_keeps_the_incumbent(
         server: Server) -> None:
-    graph = tangled(20, 8)
+    graph = transformer_like(24)  # untied, this takes CP-SAT well over a minute to prove
     low, high = min_feasible_budget(graph, tie=False), max_useful_budget(graph)
-    budget = low + (high - low) // 10
+    budget = low + (high - low) // 4
     with server.client() as client:
         job = client.post("/v1/jobs", json=body(graph, budget, tie=False, time_limit_s=600))
         assert job.status_code == 202
