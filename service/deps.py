@@ -11,9 +11,9 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from pydantic import BaseModel, ValidationError
 
+from service.backend import SolveBackend
 from service.config import Settings
 from service.problems import GRAPH_TOO_LARGE, ProblemError
-from service.solving import SolveManager
 from solver.graph import CostGraph
 from solver.solution import SolveOptions
 
@@ -29,12 +29,12 @@ def get_settings(request: Request) -> Settings:
     return request.app.state.settings
 
 
-def get_manager(request: Request) -> SolveManager:
+def get_manager(request: Request) -> SolveBackend:
     return request.app.state.manager
 
 
 SettingsDep = Annotated[Settings, Depends(get_settings)]
-ManagerDep = Annotated[SolveManager, Depends(get_manager)]
+ManagerDep = Annotated[SolveBackend, Depends(get_manager)]
 
 
 async def require_api_key(

@@ -1,4 +1,4 @@
-"""Wires the app: settings, lifespan (store, worker pool), middleware, handlers, routes."""
+"""Wires the app: settings, lifespan (the solve backend), middleware, handlers, routes."""
 
 from __future__ import annotations
 
@@ -8,15 +8,13 @@ from contextlib import asynccontextmanager
 
 from fastapi import FastAPI
 
+from service.backend import start_backend
 from service.config import Settings
 from service.metrics import Metrics
 from service.middleware import BodyDecodingMiddleware, RequestContextMiddleware
 from service.openapi import install_openapi
-from service.pool import WorkerPool
 from service.problems import install_problem_handlers
 from service.routes import frontier, health, jobs, solve
-from service.solving import SolveManager
-from service.store import Store
 
 log = logging.getLogger("optiremat.service")
 
@@ -27,12 +25,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        store = Store(settings.database_path)
-        pool = WorkerPool(settings.workers, metrics)
-        await pool.start()
-        manager = SolveManager(store, pool, metrics)
-        app.state.store, app.state.pool, app.state.manager = store, pool, manager
-        await manager.start()
+        app.state.manager = manager = await start_backend(settings, metrics)
         log.info("serving", extra={"data_dir": str(settings.data_dir),
                                    "workers": settings.workers,
                                    "auth": bool(settings.api_keys)})
@@ -40,7 +33,6 @@ def create_app(settings: Settings | None = None) -> FastAPI:
             yield
         finally:
             await manager.stop()
-            store.close()
 
     app = FastAPI(
         title="optiremat",

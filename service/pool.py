@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
 import multiprocessing
 import time
@@ -30,6 +31,7 @@ from service.worker import (
     WorkerResult,
     worker_main,
 )
+from solver.solution import SolveStatus
 
 log = logging.getLogger("optiremat.service")
 
@@ -47,6 +49,15 @@ class Interrupted:
 
 
 Outcome = WorkerResult | Cancelled | Interrupted
+
+
+def settled(outcome: Outcome) -> Outcome:
+    """A cancel that landed after the solver proved optimality changes nothing: the
+    proven plan is the request's answer, cached like any other."""
+    if (isinstance(outcome, Cancelled) and isinstance(outcome.partial, Solved)
+            and json.loads(outcome.partial.solution_json)["status"] == SolveStatus.OPTIMAL):
+        return outcome.partial
+    return outcome
 
 
 @dataclass(eq=False)

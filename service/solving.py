@@ -7,6 +7,11 @@ removed only after the result is stored, so a caller either joins the run or
 finds the stored result: identical requests never solve twice.
 
 A job is the same run with a row in the store whose id is the request hash.
+
+``SolveManager`` is the embedded backend; ``service.cluster.ClusterManager`` is the
+Redis one. Both answer the routes through ``service.backend.SolveBackend``, and
+share the pieces below that do not depend on where the solve runs (request hash,
+job views, the frontier sweep, the body memo).
 """
 
 from __future__ import annotations
@@ -19,33 +24,31 @@ import logging
 from collections import OrderedDict
 from dataclasses import dataclass
 from datetime import UTC, datetime
-from functools import cache
-from importlib.metadata import PackageNotFoundError, version
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from service.metrics import Metrics
-from service.models import Frontier, FrontierPoint, Job, JobStatus, Progress
-from service.pool import Cancelled, Interrupted, Outcome, Task, WorkerPool
-from service.problems import INFEASIBLE_BUDGET, SOLVE_FAILED, Problem, problem_body
+from service.models import Frontier, FrontierPoint, Job, JobStatus, Progress, Readiness
+from service.pool import Cancelled, Interrupted, Outcome, Task, WorkerPool, settled
+from service.problems import INFEASIBLE_BUDGET, SOLVE_FAILED, Problem, ProblemError, problem_body
 from service.store import JobRecord, Store
-from service.worker import BudgetRange, Failed, Infeasible, ProgressReport, Solved
+from service.worker import (
+    BudgetRange,
+    Failed,
+    Infeasible,
+    ProgressReport,
+    Solved,
+    solver_version,
+)
 from solver.graph import CostGraph
 from solver.solution import Solution, SolveOptions, SolveStatus
 
+if TYPE_CHECKING:
+    from service.backend import SolveBackend
+
+__all__ = ["SolveManager", "frontier", "job_fields", "job_view", "solve_key", "solver_version"]
+
 log = logging.getLogger("optiremat.service")
 BODY_MEMO_SIZE = 4096  # body digests remembered; 100 bytes each
-
-
-@cache
-def solver_version() -> str:
-    """Versions that can change an answer; part of every request hash."""
-    parts = []
-    for dist in ("optiremat", "ortools"):
-        try:
-            parts.append(f"{dist}-{version(dist)}")
-        except PackageNotFoundError:
-            parts.append(f"{dist}-unknown")
-    return "+".join(parts)
 
 
 def _digest(doc: dict[str, Any]) -> str:
@@ -65,16 +68,12 @@ def solve_key(graph_hash: str, budget_bytes: int, options: SolveOptions) -> str:
     })
 
 
-def _budget_range_key(graph_hash: str, tie: bool) -> str:
+def budget_range_key(graph_hash: str, tie: bool) -> str:
     return _digest({"kind": "budget_range", "graph_hash": graph_hash, "tie": tie,
                     "solver_version": solver_version()})
 
 
-def _solution_status(solved: Solved) -> SolveStatus:
-    return SolveStatus(json.loads(solved.solution_json)["status"])
-
-
-def _progress_dict(report: ProgressReport | None) -> dict[str, Any] | None:
+def progress_dict(report: ProgressReport | None) -> dict[str, Any] | None:
     if report is None:
         return None
     return Progress(incumbent_flops=report.incumbent_flops, bound_flops=report.bound_flops,
@@ -103,6 +102,66 @@ def infeasible_problem(budget_bytes: int, min_budget_bytes: int) -> dict[str, An
     )
 
 
+def job_fields(outcome: Outcome) -> tuple[JobStatus, str | None, dict[str, Any] | None]:
+    """A finished run's job status, solution JSON and error problem."""
+    if isinstance(outcome, Solved):
+        return JobStatus.SUCCEEDED, outcome.solution_json, None
+    if isinstance(outcome, Infeasible):
+        return (JobStatus.FAILED, None,
+                infeasible_problem(outcome.budget_bytes, outcome.min_budget_bytes))
+    if isinstance(outcome, Cancelled):
+        partial = outcome.partial
+        return (JobStatus.CANCELLED,
+                partial.solution_json if isinstance(partial, Solved) else None, None)
+    message = outcome.message if isinstance(outcome, Failed) else repr(outcome)
+    return JobStatus.FAILED, None, problem_body(500, "Solve failed", message, type=SOLVE_FAILED)
+
+
+def job_view(record: JobRecord, *, status: JobStatus | None = None,
+             progress: dict[str, Any] | None = None) -> Job:
+    """The API's Job for a stored record; ``status`` and ``progress`` override the
+    record's while the run is live."""
+    progress = record.progress if progress is None else progress
+    return Job(
+        id=record.id,
+        status=JobStatus(record.status) if status is None else status,
+        graph_hash=record.spec["graph_hash"],
+        budget_bytes=record.spec["budget_bytes"],
+        options=SolveOptions.model_validate(record.spec["options"]),
+        created_at=datetime.fromtimestamp(record.created_at, UTC),
+        updated_at=datetime.fromtimestamp(record.updated_at, UTC),
+        progress=None if progress is None else Progress.model_validate(progress),
+        solution=None if record.solution_json is None
+        else Solution.model_validate_json(record.solution_json),
+        error=None if record.error is None else Problem.model_validate(record.error),
+    )
+
+
+class BodyMemo:
+    """sha256 of a ``POST /v1/solve`` body -> its request hash, least recently used first.
+
+    Lets a repeated body be answered from the store without parsing it again; sound
+    because the request hash is a function of the body bytes (and of settings, fixed
+    for the process).
+    """
+
+    def __init__(self, size: int = BODY_MEMO_SIZE) -> None:
+        self._size = size
+        self._keys: OrderedDict[bytes, str] = OrderedDict()
+
+    def remember(self, body_digest: bytes, key: str) -> None:
+        self._keys[body_digest] = key
+        self._keys.move_to_end(body_digest)
+        if len(self._keys) > self._size:
+            self._keys.popitem(last=False)
+
+    def key_for(self, body_digest: bytes) -> str | None:
+        key = self._keys.get(body_digest)
+        if key is not None:
+            self._keys.move_to_end(body_digest)
+        return key
+
+
 class SolveManager:
     def __init__(self, store: Store, pool: WorkerPool, metrics: Metrics) -> None:
         self._store = store
@@ -110,8 +169,7 @@ class SolveManager:
         self._metrics = metrics
         self._inflight: dict[str, _Run] = {}
         self._drivers: set[asyncio.Task[None]] = set()
-        # sha256 of a POST /v1/solve body -> its request hash (least recently used first)
-        self._body_keys: OrderedDict[bytes, str] = OrderedDict()
+        self._body_keys = BodyMemo()
 
     async def start(self) -> None:
         """Requeue the jobs a previous server process left unfinished."""
@@ -132,6 +190,19 @@ class SolveManager:
     async def stop(self) -> None:
         await self._pool.stop()
         await asyncio.gather(*self._drivers, return_exceptions=True)
+        self._store.close()
+
+    async def readiness(self) -> Readiness:
+        try:
+            await asyncio.to_thread(self._store.ping)
+        except Exception as exc:
+            raise ProblemError(503, "Not ready",
+                               f"the result store does not answer: {exc}") from exc
+        pool = self._pool
+        if pool.ready_workers < pool.size:
+            raise ProblemError(503, "Not ready",
+                               f"{pool.ready_workers} of {pool.size} worker processes are ready")
+        return Readiness(workers=pool.size, queue_depth=pool.queue_depth)
 
     # ---- runs -------------------------------------------------------------
 
@@ -179,10 +250,7 @@ class SolveManager:
         # no task (and the check above) or a task it can cancel.
         run.task = Task(run.kind, payload,
                         on_progress=lambda report: setattr(run, "progress", report))
-        outcome = await self._pool.submit(run.task)
-        if (isinstance(outcome, Cancelled) and isinstance(outcome.partial, Solved)
-                and _solution_status(outcome.partial) == SolveStatus.OPTIMAL):
-            outcome = outcome.partial  # finished anyway: a proven answer is the answer
+        outcome = settled(await self._pool.submit(run.task))
         if isinstance(outcome, Solved | Infeasible | BudgetRange):
             await asyncio.to_thread(self._store.put_result, run.key, outcome)
         return outcome
@@ -195,64 +263,24 @@ class SolveManager:
         again from the raw body alone."""
         run = self._run_solve(graph, budget_bytes, options)
         if body_digest is not None:
-            self._body_keys[body_digest] = run.key
-            self._body_keys.move_to_end(body_digest)
-            if len(self._body_keys) > BODY_MEMO_SIZE:
-                self._body_keys.popitem(last=False)
+            self._body_keys.remember(body_digest, run.key)
         # shield: a client that hangs up must not cancel a run others may be waiting on
         return await asyncio.shield(run.future)
 
     async def stored_answer(self, body_digest: bytes) -> Outcome | None:
-        """The stored answer for a body ``solve`` has seen, without parsing it again.
-
-        Sound because the request hash is a function of the body bytes (and of
-        settings, fixed for the process).
-        """
-        key = self._body_keys.get(body_digest)
+        """The stored answer for a body ``solve`` has seen, without parsing it again."""
+        key = self._body_keys.key_for(body_digest)
         if key is None:
             return None
-        self._body_keys.move_to_end(body_digest)
         stored = await asyncio.to_thread(self._store.get_result, key)
         if stored is not None:
             self._metrics.cache_hits.inc()
         return stored
 
     async def budget_range(self, graph: CostGraph, tie: bool) -> Outcome:
-        key = _budget_range_key(graph.content_hash, tie)
+        key = budget_range_key(graph.content_hash, tie)
         run = self._run(key, "budget_range", graph, {"tie": tie})
         return await asyncio.shield(run.future)
-
-    async def frontier(self, graph: CostGraph, budgets: list[int] | None, count: int | None,
-                       options: SolveOptions) -> Frontier | Outcome:
-        """The sweep, or the outcome that stopped it (cancelled, interrupted, failed)."""
-        low = high = None
-        if budgets is None:
-            assert count is not None
-            span = await self.budget_range(graph, options.tie)
-            if not isinstance(span, BudgetRange):
-                return span
-            low, high = span.min_feasible_budget, span.max_useful_budget
-            budgets = [low + (high - low) * i // (count - 1) for i in range(count)]
-        budgets = sorted(set(budgets))
-        outcomes = await asyncio.gather(*(self.solve(graph, b, options) for b in budgets))
-        points = []
-        for budget, outcome in zip(budgets, outcomes, strict=True):
-            if isinstance(outcome, Infeasible):
-                points.append(FrontierPoint(budget_bytes=budget, status=SolveStatus.INFEASIBLE,
-                                            min_budget_bytes=outcome.min_budget_bytes))
-            elif isinstance(outcome, Solved):
-                sol = Solution.model_validate_json(outcome.solution_json)
-                planned = sol.status != SolveStatus.TIMED_OUT  # timed out: no plan to report
-                points.append(FrontierPoint(
-                    budget_bytes=budget, status=sol.status,
-                    residual_bytes=sol.residual_bytes if planned else None,
-                    recompute_flops=sol.recompute_flops if planned else None,
-                ))
-            else:
-                return outcome
-        _mark_pareto(points)
-        return Frontier(graph_hash=graph.content_hash, options=options, min_feasible_budget=low,
-                        max_useful_budget=high, points=points)
 
     # ---- jobs ---------------------------------------------------------------
 
@@ -289,46 +317,56 @@ class SolveManager:
         return await self.get_job(job_id)
 
     def _view(self, record: JobRecord) -> Job:
-        status = JobStatus(record.status)
-        progress = record.progress
         run = self._inflight.get(record.id)
-        if run is not None and status in (JobStatus.QUEUED, JobStatus.RUNNING):
+        if run is not None and record.status in (JobStatus.QUEUED, JobStatus.RUNNING):
             # The live run is the truth while the job is unfinished.
-            status = JobStatus.RUNNING if run.task is not None and run.task.running \
-                else JobStatus.QUEUED
-            progress = _progress_dict(run.progress)
-        return Job(
-            id=record.id,
-            status=status,
-            graph_hash=record.spec["graph_hash"],
-            budget_bytes=record.spec["budget_bytes"],
-            options=SolveOptions.model_validate(record.spec["options"]),
-            created_at=datetime.fromtimestamp(record.created_at, UTC),
-            updated_at=datetime.fromtimestamp(record.updated_at, UTC),
-            progress=None if progress is None else Progress.model_validate(progress),
-            solution=None if record.solution_json is None
-            else Solution.model_validate_json(record.solution_json),
-            error=None if record.error is None else Problem.model_validate(record.error),
-        )
+            running = run.task is not None and run.task.running
+            return job_view(record, status=JobStatus.RUNNING if running else JobStatus.QUEUED,
+                            progress=progress_dict(run.progress))
+        return job_view(record)
 
     def _finish_job(self, run: _Run, outcome: Outcome) -> None:
-        progress = _progress_dict(run.progress)
-        update = self._store.update_job
-        if isinstance(outcome, Solved):
-            update(run.key, JobStatus.SUCCEEDED, solution_json=outcome.solution_json,
-                   progress=progress)
-        elif isinstance(outcome, Infeasible):
-            update(run.key, JobStatus.FAILED, progress=progress,
-                   error=infeasible_problem(outcome.budget_bytes, outcome.min_budget_bytes))
-        elif isinstance(outcome, Cancelled):
-            partial = outcome.partial
-            update(run.key, JobStatus.CANCELLED, progress=progress,
-                   solution_json=partial.solution_json if isinstance(partial, Solved) else None)
-        else:
-            message = outcome.message if isinstance(outcome, Failed) else repr(outcome)
-            update(run.key, JobStatus.FAILED, progress=progress,
-                   error=problem_body(500, "Solve failed", message, type=SOLVE_FAILED))
+        status, solution_json, error = job_fields(outcome)
+        self._store.update_job(run.key, status, solution_json=solution_json, error=error,
+                               progress=progress_dict(run.progress))
         log.info("job %s finished: %s", run.key, type(outcome).__name__)
+
+
+async def frontier(backend: SolveBackend, graph: CostGraph, budgets: list[int] | None,
+                   count: int | None, options: SolveOptions) -> Frontier | Outcome:
+    """The sweep, or the outcome that stopped it (cancelled, interrupted, failed).
+
+    Each point is one ``backend.solve``, so it is cached and single-flight like
+    ``POST /v1/solve``, whichever backend runs it.
+    """
+    low = high = None
+    if budgets is None:
+        assert count is not None
+        span = await backend.budget_range(graph, options.tie)
+        if not isinstance(span, BudgetRange):
+            return span
+        low, high = span.min_feasible_budget, span.max_useful_budget
+        budgets = [low + (high - low) * i // (count - 1) for i in range(count)]
+    budgets = sorted(set(budgets))
+    outcomes = await asyncio.gather(*(backend.solve(graph, b, options) for b in budgets))
+    points = []
+    for budget, outcome in zip(budgets, outcomes, strict=True):
+        if isinstance(outcome, Infeasible):
+            points.append(FrontierPoint(budget_bytes=budget, status=SolveStatus.INFEASIBLE,
+                                        min_budget_bytes=outcome.min_budget_bytes))
+        elif isinstance(outcome, Solved):
+            sol = Solution.model_validate_json(outcome.solution_json)
+            planned = sol.status != SolveStatus.TIMED_OUT  # timed out: no plan to report
+            points.append(FrontierPoint(
+                budget_bytes=budget, status=sol.status,
+                residual_bytes=sol.residual_bytes if planned else None,
+                recompute_flops=sol.recompute_flops if planned else None,
+            ))
+        else:
+            return outcome
+    _mark_pareto(points)
+    return Frontier(graph_hash=graph.content_hash, options=options, min_feasible_budget=low,
+                    max_useful_budget=high, points=points)
 
 
 def _mark_pareto(points: list[FrontierPoint]) -> None:

@@ -2,6 +2,8 @@
 
 This module is the entry point of a spawned process, so it imports only solver/
 (never FastAPI, never JAX). Results travel back as the small dataclasses below.
+``run_task`` is the one solve path: the embedded pool's processes and the
+cluster's RQ workers (``service.cluster_worker``) both call it.
 """
 
 from __future__ import annotations
@@ -9,10 +11,13 @@ from __future__ import annotations
 import signal
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
+from functools import cache
+from importlib.metadata import PackageNotFoundError, version
 from multiprocessing.connection import Connection
 from multiprocessing.synchronize import Event
-from typing import Any
+from typing import Any, Protocol
 
 
 @dataclass(frozen=True)
@@ -51,12 +56,31 @@ class ProgressReport:
 
 WorkerResult = Solved | Infeasible | BudgetRange | Failed
 
+
+class CancelFlag(Protocol):
+    """What the solver polls: a ``threading.Event`` or a ``multiprocessing`` one."""
+
+    def is_set(self) -> bool: ...
+
+
 # Progress is forwarded at most this often unless the incumbent improved.
 _PROGRESS_INTERVAL_S = 0.1
 
 
-def _solve(conn: Connection, send_lock: threading.Lock, cancel: Event,
-           payload: dict[str, Any]) -> WorkerResult:
+@cache
+def solver_version() -> str:
+    """Versions that can change an answer; part of every request hash."""
+    parts = []
+    for dist in ("optiremat", "ortools"):
+        try:
+            parts.append(f"{dist}-{version(dist)}")
+        except PackageNotFoundError:
+            parts.append(f"{dist}-unknown")
+    return "+".join(parts)
+
+
+def _solve(payload: dict[str, Any], cancel: CancelFlag,
+           report: Callable[[ProgressReport], None]) -> WorkerResult:
     from solver.graph import CostGraph
     from solver.solution import InfeasibleBudgetError, SolveOptions
     from solver.solve import solve
@@ -70,16 +94,14 @@ def _solve(conn: Connection, send_lock: threading.Lock, cancel: Event,
         if incumbent_flops == last["incumbent"] and now - last["t"] < _PROGRESS_INTERVAL_S:
             return
         last.update(t=now, incumbent=incumbent_flops)
-        report = ProgressReport(
+        report(ProgressReport(
             None if incumbent_flops is None else int(incumbent_flops),
             None if bound_flops is None else int(bound_flops),
             float(elapsed_s),
-        )
-        with send_lock:  # the solver may call back from its own threads
-            conn.send(report)
+        ))
 
     try:
-        # A multiprocessing Event has threading.Event's is_set/wait: the parent sets it.
+        # The solver only calls is_set(): a multiprocessing Event does as well as a thread's.
         solution = solve(graph, payload["budget_bytes"], options,
                          progress=progress, cancel=cancel)  # type: ignore[arg-type]
     except InfeasibleBudgetError as exc:
@@ -98,6 +120,22 @@ def _budget_range(payload: dict[str, Any]) -> WorkerResult:
     )
 
 
+def run_task(kind: str, payload: dict[str, Any], cancel: CancelFlag,
+             report: Callable[[ProgressReport], None]) -> WorkerResult:
+    """Run one task (``payload`` carries ``graph_json``); never raises.
+
+    ``report`` may be called from the solver's own threads.
+    """
+    try:
+        if kind == "solve":
+            return _solve(payload, cancel, report)
+        if kind == "budget_range":
+            return _budget_range(payload)
+        return Failed(f"unknown task kind {kind!r}")
+    except Exception as exc:  # a solver bug must fail the task, not the worker
+        return Failed(f"{type(exc).__name__}: {exc}")
+
+
 def worker_main(conn: Connection, cancel: Event) -> None:
     """Serve ``(kind, payload)`` tasks from ``conn`` until it closes or sends ``None``."""
     # Ctrl-C in a terminal reaches the whole process group; the parent decides when we stop.
@@ -105,7 +143,12 @@ def worker_main(conn: Connection, cancel: Event) -> None:
     import solver.solve  # noqa: F401  (warm the import before the first task)
 
     send_lock = threading.Lock()
-    conn.send(Ready())
+
+    def send(message: object) -> None:
+        with send_lock:  # the solver may report progress from its own threads
+            conn.send(message)
+
+    send(Ready())
     while True:
         try:
             task = conn.recv()
@@ -114,14 +157,4 @@ def worker_main(conn: Connection, cancel: Event) -> None:
         if task is None:
             return
         kind, payload = task
-        try:
-            if kind == "solve":
-                result = _solve(conn, send_lock, cancel, payload)
-            elif kind == "budget_range":
-                result = _budget_range(payload)
-            else:
-                result = Failed(f"unknown task kind {kind!r}")
-        except Exception as exc:  # a solver bug must fail the task, not the worker
-            result = Failed(f"{type(exc).__name__}: {exc}")
-        with send_lock:
-            conn.send(result)
+        send(run_task(kind, payload, cancel, send))

@@ -16,6 +16,7 @@ from service.deps import (
 from service.models import Frontier, FrontierRequest
 from service.problems import problem_responses
 from service.routes.solve import raise_for_outcome
+from service.solving import frontier as sweep
 
 router = APIRouter(prefix="/v1", tags=["frontier"], dependencies=[Depends(require_api_key)])
 
@@ -35,7 +36,7 @@ async def frontier(request: Request, settings: SettingsDep, manager: ManagerDep)
     body = await parse_body(FrontierRequest, await request.body())
     check_graph_size(body.graph, settings)
     options = cap_time_limit(body.options, settings.sync_time_limit_s)
-    result = await manager.frontier(body.graph, body.budgets, body.count, options)
+    result = await sweep(manager, body.graph, body.budgets, body.count, options)
     if not isinstance(result, Frontier):
         raise_for_outcome(result)
         raise AssertionError(f"unexpected outcome {result!r}")

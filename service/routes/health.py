@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
-import asyncio
-
 from fastapi import APIRouter, Request
 from starlette.responses import Response
 
+from service.deps import ManagerDep
 from service.models import Health, Readiness
-from service.problems import ProblemError, problem_responses
+from service.problems import problem_responses
 
 router = APIRouter(tags=["health"])
 
@@ -22,19 +21,12 @@ async def healthz() -> Health:
     "/readyz",
     response_model=Readiness,
     responses=problem_responses(503),
-    summary="The store answers and every worker process has started",
+    summary="Ready to take requests",
 )
-async def readyz(request: Request) -> Readiness:
-    state = request.app.state
-    pool = state.pool
-    try:
-        await asyncio.to_thread(state.store.ping)
-    except Exception as exc:
-        raise ProblemError(503, "Not ready", f"the result store does not answer: {exc}") from exc
-    if pool.ready_workers < pool.size:
-        raise ProblemError(503, "Not ready",
-                           f"{pool.ready_workers} of {pool.size} worker processes are ready")
-    return Readiness(workers=pool.size, queue_depth=pool.queue_depth)
+async def readyz(manager: ManagerDep) -> Readiness:
+    """Embedded: the store answers and every worker process has started. Cluster: Redis
+    answers (workers are counted, not required: jobs wait in the queue for them)."""
+    return await manager.readiness()
 
 
 @router.get(

@@ -1,0 +1,53 @@
+"""What the routes need from whatever runs the solves.
+
+Embedded: ``service.solving.SolveManager`` with worker processes and SQLite in
+this process.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+from service.config import Settings
+from service.metrics import Metrics
+from service.models import Job, Readiness
+from service.pool import Outcome
+from solver.graph import CostGraph
+from solver.solution import SolveOptions
+
+
+class SolveBackend(Protocol):
+    async def start(self) -> None: ...
+
+    async def stop(self) -> None:
+        """Release this process's resources; solves elsewhere keep running."""
+
+    async def readiness(self) -> Readiness:
+        """Raises a 503 ``ProblemError`` when not ready."""
+
+    async def solve(self, graph: CostGraph, budget_bytes: int, options: SolveOptions,
+                    *, body_digest: bytes | None = None) -> Outcome: ...
+
+    async def stored_answer(self, body_digest: bytes) -> Outcome | None: ...
+
+    async def budget_range(self, graph: CostGraph, tie: bool) -> Outcome: ...
+
+    async def submit_job(self, graph: CostGraph, budget_bytes: int,
+                         options: SolveOptions) -> Job: ...
+
+    async def get_job(self, job_id: str) -> Job | None: ...
+
+    async def cancel_job(self, job_id: str, wait_s: float = 5.0) -> Job | None: ...
+
+
+async def start_backend(settings: Settings, metrics: Metrics) -> SolveBackend:
+    from service.pool import WorkerPool
+    from service.solving import SolveManager
+    from service.store import Store
+
+    store = Store(settings.database_path)  # first: a store it cannot read stops here
+    pool = WorkerPool(settings.workers, metrics)
+    await pool.start()
+    backend: SolveBackend = SolveManager(store, pool, metrics)
+    await backend.start()
+    return backend
