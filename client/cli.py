@@ -31,6 +31,26 @@ def _serve(args: argparse.Namespace) -> int:
     return 0
 
 
+def _worker(args: argparse.Namespace) -> int:
+    from pydantic import ValidationError
+
+    from service.config import Settings
+
+    try:
+        settings = Settings()
+    except ValidationError as exc:
+        print(f"optiremat worker: invalid settings (OPTIREMAT_* variables):\n{exc}",
+              file=sys.stderr)
+        return 2
+    if not settings.redis_url:
+        print("optiremat worker: set OPTIREMAT_REDIS_URL (e.g. redis://localhost:6379/0)",
+              file=sys.stderr)
+        return 2
+    from service.cluster_worker import work
+
+    return work(settings, burst=args.burst)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="optiremat",
@@ -48,6 +68,16 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--host", help="interface to bind (default: OPTIREMAT_HOST, 127.0.0.1)")
     serve.add_argument("--port", type=int, help="port (default: OPTIREMAT_PORT, 8000)")
     serve.set_defaults(run=_serve)
+
+    worker = commands.add_parser(
+        "worker",
+        help="run a solver worker for the clustered service",
+        description="Take solves from the Redis queue at OPTIREMAT_REDIS_URL (cluster mode; "
+                    "see docker/README.md), one at a time, until SIGTERM, which lets the "
+                    "current solve finish.",
+    )
+    worker.add_argument("--burst", action="store_true", help="exit once the queue is empty")
+    worker.set_defaults(run=_worker)
     add_commands(parser, commands)
     return parser
 

@@ -1,7 +1,9 @@
-"""What the routes need from whatever runs the solves.
+"""What the routes need from whatever runs the solves, and the choice between the two.
 
-Embedded: ``service.solving.SolveManager`` with worker processes and SQLite in
-this process.
+Embedded (the default): ``service.solving.SolveManager`` with worker processes and
+SQLite in this process. Cluster (``OPTIREMAT_REDIS_URL`` set):
+``service.cluster.ClusterManager``, which queues on Redis for ``optiremat worker``
+processes anywhere. The API is the same either way.
 """
 
 from __future__ import annotations
@@ -41,13 +43,19 @@ class SolveBackend(Protocol):
 
 
 async def start_backend(settings: Settings, metrics: Metrics) -> SolveBackend:
-    from service.pool import WorkerPool
-    from service.solving import SolveManager
-    from service.store import Store
+    backend: SolveBackend
+    if settings.redis_url:
+        from service.cluster import ClusterManager  # imports redis and rq only when used
 
-    store = Store(settings.database_path)  # first: a store it cannot read stops here
-    pool = WorkerPool(settings.workers, metrics)
-    await pool.start()
-    backend: SolveBackend = SolveManager(store, pool, metrics)
+        backend = ClusterManager(settings, metrics)
+    else:
+        from service.pool import WorkerPool
+        from service.solving import SolveManager
+        from service.store import Store
+
+        store = Store(settings.database_path)  # first: a store it cannot read stops here
+        pool = WorkerPool(settings.workers, metrics)
+        await pool.start()
+        backend = SolveManager(store, pool, metrics)
     await backend.start()
     return backend

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 from typing import Annotated
+from urllib.parse import urlsplit, urlunsplit
 
 from platformdirs import user_cache_path
 from pydantic import Field, field_validator
@@ -17,7 +18,7 @@ def _default_workers() -> int:
 
 
 class Settings(BaseSettings):
-    """Every knob of the embedded service. Environment: ``OPTIREMAT_<NAME>``."""
+    """Every knob of the service. Environment: ``OPTIREMAT_<NAME>``."""
 
     model_config = SettingsConfigDict(env_prefix="OPTIREMAT_", extra="ignore", frozen=True)
 
@@ -37,6 +38,16 @@ class Settings(BaseSettings):
     workers: int = Field(default_factory=_default_workers, ge=1)
     log_level: str = "INFO"
 
+    # ---- cluster mode: set redis_url and run `optiremat worker` processes ----
+    # e.g. redis://:password@redis:6379/0; unset keeps the embedded default.
+    redis_url: str | None = None
+    # How long results, jobs and uploaded graphs stay in Redis after their last write.
+    result_ttl_s: int = Field(default=7 * 24 * 3600, ge=60)
+    # Times a job whose worker died mid-solve is queued again before it fails.
+    job_retries: int = Field(default=1, ge=0)
+    # Workers heartbeat this often; a solve whose worker misses three is abandoned.
+    worker_heartbeat_s: int = Field(default=5, ge=1)
+
     @field_validator("api_keys", mode="before")
     @classmethod
     def _split_keys(cls, value: object) -> object:
@@ -47,3 +58,13 @@ class Settings(BaseSettings):
     @property
     def database_path(self) -> Path:
         return self.data_dir / "optiremat.sqlite3"
+
+
+def redact_url(url: str) -> str:
+    """``url`` without its password, for logs."""
+    parts = urlsplit(url)
+    if parts.password is None:
+        return url
+    host = parts.hostname or ""
+    netloc = f"{parts.username or ''}:***@{host}" + (f":{parts.port}" if parts.port else "")
+    return urlunsplit(parts._replace(netloc=netloc))

@@ -9,7 +9,7 @@ from contextlib import asynccontextmanager
 from fastapi import FastAPI
 
 from service.backend import start_backend
-from service.config import Settings
+from service.config import Settings, redact_url
 from service.metrics import Metrics
 from service.middleware import BodyDecodingMiddleware, RequestContextMiddleware
 from service.openapi import install_openapi
@@ -26,9 +26,9 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         app.state.manager = manager = await start_backend(settings, metrics)
-        log.info("serving", extra={"data_dir": str(settings.data_dir),
-                                   "workers": settings.workers,
-                                   "auth": bool(settings.api_keys)})
+        where = ({"redis": redact_url(settings.redis_url)} if settings.redis_url
+                 else {"data_dir": str(settings.data_dir), "workers": settings.workers})
+        log.info("serving", extra={**where, "auth": bool(settings.api_keys)})
         try:
             yield
         finally:

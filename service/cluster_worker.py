@@ -1,0 +1,147 @@
+"""``optiremat worker``: a solver worker for cluster mode, on RQ.
+
+The worker takes jobs from the Redis queue one at a time. RQ forks a work horse
+per job from this process, which imported the solver once; the horse runs
+``run_job``, which calls ``service.worker.run_task`` (the very solve the embedded
+pool runs) and writes the outcome to Redis itself, so an answer never depends on
+an API replica staying up.
+
+While a job runs, a thread in the horse polls the job's cancel flag (feeding the
+solver's cancel event) and writes progress; the worker process heartbeats
+every ``OPTIREMAT_WORKER_HEARTBEAT_S``. A worker that dies stops heartbeating,
+and the API replicas' reaper hands its job back to RQ: retried while
+``OPTIREMAT_JOB_RETRIES`` lasts, else failed with the reason.
+
+Imports neither FastAPI nor JAX.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import socket
+import threading
+import time
+from dataclasses import asdict
+from typing import Any
+
+from redis import Redis
+from redis.exceptions import RedisError
+from rq import Worker, get_current_job
+from rq.job import Job as RQJob
+from rq.serializers import JSONSerializer
+
+from service.cluster_store import ClusterStore, queue_name
+from service.config import Settings, redact_url
+from service.pool import Cancelled, settled
+from service.worker import Failed, ProgressReport, run_task
+
+log = logging.getLogger("optiremat.worker")
+HEARTBEATS_MISSED = 3  # a job is abandoned after its worker misses this many heartbeats
+_POLL_S = 0.1  # cancel flag and progress: how often the horse looks
+
+
+class SolverWorker(Worker):
+    """RQ's forking worker, with a heartbeat deadline of a few intervals.
+
+    RQ's own deadline is the monitoring interval plus a minute, so a killed
+    worker's job would sit in ``running`` for over a minute before anyone noticed.
+    """
+
+    def get_heartbeat_ttl(self, job: RQJob, working_time: float = 0.0) -> int:
+        return HEARTBEATS_MISSED * int(self.job_monitoring_interval)
+
+
+def work(settings: Settings, *, burst: bool = False) -> int:
+    """Run a worker until SIGTERM (which lets the current solve finish) or, with
+    ``burst``, until the queue is empty."""
+    from service.logs import configure_logging
+
+    assert settings.redis_url, "cluster mode needs OPTIREMAT_REDIS_URL"
+    configure_logging(settings.log_level)
+    import solver.solve  # noqa: F401  (every forked horse inherits the warm import)
+
+    redis = Redis.from_url(settings.redis_url)
+    worker = SolverWorker(
+        [queue_name()],
+        name=f"{socket.gethostname()}.{os.getpid()}",
+        connection=redis,
+        serializer=JSONSerializer,
+        job_monitoring_interval=settings.worker_heartbeat_s,
+        log_job_description=False,
+    )
+    log.info("worker started", extra={"redis": redact_url(settings.redis_url),
+                                      "queue": queue_name(), "worker": worker.name})
+    worker.work(burst=burst, logging_level=settings.log_level.upper())
+    return 0
+
+
+class _Progress:
+    """The solver's latest report; the solver calls ``report`` from its own threads."""
+
+    def __init__(self) -> None:
+        self.latest: ProgressReport | None = None
+
+    def report(self, report: ProgressReport) -> None:
+        self.latest = report  # one reference swap: no lock needed
+
+    def as_dict(self) -> dict[str, Any] | None:
+        latest = self.latest
+        return None if latest is None else asdict(latest)
+
+
+def _watch(store: ClusterStore, key: str, generation: str, cancel: threading.Event,
+           progress: _Progress, done: threading.Event) -> None:
+    written: ProgressReport | None = None
+    while not done.wait(_POLL_S):
+        try:
+            if store.cancel_requested(key):
+                cancel.set()
+            latest = progress.latest
+            if latest is not None and latest is not written:
+                store.update_live(key, generation, {"progress": json.dumps(asdict(latest)),
+                                                    "updated_at": time.time()})
+                written = latest
+        except RedisError as exc:  # a Redis blip must not stop the solve
+            log.warning("cannot reach Redis while solving %s: %s", key, exc)
+
+
+def run_job(kind: str, key: str, generation: str, payload: dict[str, Any], ttl_s: int) -> str:
+    """The RQ job: run one request and write its outcome. Returns what happened."""
+    job = get_current_job()
+    assert job is not None, "run_job runs inside an RQ worker"
+    store = ClusterStore(job.connection, ttl_s)
+    record = store.get_run(key)
+    if record is None or record.generation != generation or record.outcome is not None:
+        # A retry of a run that finished after all, or one superseded by a newer run.
+        log.info("job %s: nothing to do", key)
+        return "skipped"
+    if store.cancel_requested(key):
+        store.finish(key, generation, Cancelled(None))
+        return "cancelled"
+    graph_json = store.get_graph(payload["graph_hash"])
+    if graph_json is None:
+        store.finish(key, generation, Failed(
+            "the graph expired from Redis before a worker took the job (see "
+            "OPTIREMAT_RESULT_TTL_S); submit the request again"))
+        return "failed"
+    store.update_live(key, generation, {"started_at": time.time(), "updated_at": time.time(),
+                                        "worker": job.worker_name or "", "progress": ""})
+
+    cancel, done, progress = threading.Event(), threading.Event(), _Progress()
+    watcher = threading.Thread(target=_watch, name="optiremat-watch", daemon=True,
+                               args=(store, key, generation, cancel, progress, done))
+    watcher.start()
+    started = time.monotonic()
+    try:
+        result = run_task(kind, {**payload, "graph_json": graph_json}, cancel, progress.report)
+    finally:
+        done.set()
+        watcher.join()
+    outcome = settled(Cancelled(result) if cancel.is_set() else result)
+    store.finish(key, generation, outcome, progress=progress.as_dict())
+    name = type(outcome).__name__.lower()
+    log.info("task finished", extra={"job": key, "kind": kind, "outcome": name,
+                                     "seconds": round(time.monotonic() - started, 3)})
+    return name
