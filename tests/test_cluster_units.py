@@ -1,0 +1,69 @@
+"""Cluster-mode pieces that need no Redis: settings, the outcome codec, timeouts, the CLI."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+from service.cluster_store import (
+    JOB_TIMEOUT_MARGIN_S,
+    decode_outcome,
+    encode_outcome,
+    job_timeout_s,
+    queue_name,
+    reusable,
+)
+from service.config import Settings, redact_url
+from service.pool import Cancelled
+from service.worker import BudgetRange, Failed, Infeasible, Solved, solver_version
+from tests.service_harness import REPO
+
+OUTCOMES = [
+    Solved('{"status": "optimal", "b": [1, 2]}'),
+    Infeasible(10, 4096),
+    BudgetRange(4096, 65536),
+    Failed("the worker died"),
+    Cancelled(None),
+    Cancelled(Solved('{"status": "feasible"}')),
+]
+
+
+@pytest.mark.parametrize("outcome", OUTCOMES, ids=lambda o: type(o).__name__)
+def test_outcomes_survive_redis_unchanged(outcome: object) -> None:
+    assert decode_outcome(encode_outcome(outcome).encode()) == outcome  # type: ignore[arg-type]
+
+
+def test_only_runs_that_answered_are_joined_rather_than_restarted() -> None:
+    assert reusable(None)  # still going
+    assert [reusable(o) for o in OUTCOMES] == [True, False, True, False, False, False]
+
+
+def test_the_queue_outlasts_the_solver_time_limit() -> None:
+    settings = Settings(redis_url="redis://localhost:6379/0")
+    for limit in (0.5, settings.sync_time_limit_s, settings.job_time_limit_s):
+        assert job_timeout_s(limit) >= limit + JOB_TIMEOUT_MARGIN_S
+    assert solver_version() in queue_name()  # workers take only what their solver hashes
+
+
+def test_cluster_settings_come_from_optiremat_variables(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("OPTIREMAT_REDIS_URL", "redis://:secret@redis:6379/2")
+    monkeypatch.setenv("OPTIREMAT_RESULT_TTL_S", "3600")
+    monkeypatch.setenv("OPTIREMAT_JOB_RETRIES", "0")
+    settings = Settings()
+    assert settings.redis_url == "redis://:secret@redis:6379/2"
+    assert (settings.result_ttl_s, settings.job_retries, settings.worker_heartbeat_s) == (
+        3600, 0, 5)
+    assert redact_url(settings.redis_url) == "redis://:***@redis:6379/2"
+    monkeypatch.delenv("OPTIREMAT_REDIS_URL")
+    assert Settings().redis_url is None  # embedded by default
+
+
+def test_optiremat_worker_without_redis_says_what_to_set() -> None:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("OPTIREMAT_")}
+    done = subprocess.run([sys.executable, "-m", "client.cli", "worker"], cwd=REPO, env=env,
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2
+    assert "OPTIREMAT_REDIS_URL" in done.stderr
