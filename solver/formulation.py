@@ -71,6 +71,10 @@ class Formulation:
     clauses: tuple[tuple[Lit, ...], ...]
     recompute_flops: ScaledSum
     residual_bytes: ScaledSum
+    # What each auxiliary variable stands for: (variable, value or node position).
+    needed_vars: tuple[tuple[int, int], ...] = ()
+    active_vars: tuple[tuple[int, int], ...] = ()
+    residual_vars: tuple[tuple[int, int], ...] = ()
 
     def node_saves(self, graph: CostGraph, decisions: Sequence[bool]) -> list[bool]:
         """Per node save flags; forced modes applied, undecided free nodes recompute."""
@@ -79,6 +83,24 @@ class Formulation:
             for n in nodes:
                 saves[n] = bool(decisions[d])
         return saves
+
+    def assignment(self, graph: CostGraph, decisions: Sequence[bool]) -> list[int]:
+        """Every variable's value for ``decisions``: the exact fixpoint of ``evaluate``.
+
+        A complete, feasible assignment, so a backend can start from it (a hint).
+        """
+        ev = evaluate(graph, self.node_saves(graph, decisions))
+        needed, active, residual = set(ev.needed), set(ev.active), set(ev.residuals)
+        values = [0] * len(self.var_names)
+        for d, decided in enumerate(decisions):
+            values[d] = int(bool(decided))
+        for var, v in self.needed_vars:
+            values[var] = int(v in needed)
+        for var, n in self.active_vars:
+            values[var] = int(n in active)
+        for var, v in self.residual_vars:
+            values[var] = int(v in residual)
+        return values
 
     def canonical(
         self, graph: CostGraph, decisions: Sequence[bool]
@@ -176,11 +198,16 @@ def build(graph: CostGraph, tie: bool) -> Formulation:
         return (decision_of[n], True)
 
     needed: dict[int, Lit | bool] = {}
+    needed_vars: list[tuple[int, int]] = []
+    active_vars: list[tuple[int, int]] = []
+    residual_vars: list[tuple[int, int]] = []
     for v in range(graph.num_values):
         if v in b.always_needed:
             needed[v] = True
         elif v in b.maybe_needed:
-            needed[v] = (builder.var(f"needed[value {graph.value_id[v]}]"), True)
+            var = builder.var(f"needed[value {graph.value_id[v]}]")
+            needed[v] = (var, True)
+            needed_vars.append((var, v))
         else:
             needed[v] = False
 
@@ -189,6 +216,7 @@ def build(graph: CostGraph, tie: bool) -> Formulation:
     for n in sorted(b.maybe_active - b.always_active):
         var = builder.var(f"active[node {graph.node_id[n]} {graph.node_primitive[n]}]")
         active[n] = (var, True)
+        active_vars.append((var, n))
         for v in outs[n]:
             builder.clause(_neg(needed[v]), active[n], save(n))
         for v in ins[n]:
@@ -220,6 +248,7 @@ def build(graph: CostGraph, tie: bool) -> Formulation:
             lit = needed[v]  # an input or a forced save's output is a residual iff needed
         else:
             lit = (builder.var(f"residual[value {graph.value_id[v]}]"), True)
+            residual_vars.append((lit[0], v))
             builder.clause(_neg(needed[v]), _neg(save(p)), lit)
             builder.clause(_neg(lit), needed[v])
             builder.clause(_neg(lit), save(p))
@@ -241,4 +270,7 @@ def build(graph: CostGraph, tie: bool) -> Formulation:
         clauses=tuple(builder.clauses),
         recompute_flops=_scaled(flop_terms, flops_offset),
         residual_bytes=_scaled(byte_terms, always_bytes),
+        needed_vars=tuple(needed_vars),
+        active_vars=tuple(active_vars),
+        residual_vars=tuple(residual_vars),
     )

@@ -43,6 +43,7 @@ ProgressCallback = Callable[[int, int, float], None]
 
 MAX_TIGHTENINGS = 3  # re-solves of an over-budget floating-point plan before CP-SAT takes over
 PHASE2_WORK = 2.0  # phase 2's effort cap, relative to phase 1's
+TIED_SHARE = 0.25  # of an untied solve's time limit, spent first on the tied plan it starts from
 BOUND_EPSILON = 1e-6  # a float bound this close below an integer counts as that integer
 
 
@@ -67,6 +68,20 @@ def solve(
     if isinstance(budget_bytes, bool) or not isinstance(budget_bytes, int) or budget_bytes < 0:
         raise ValueError(f"budget_bytes must be a non-negative integer, got {budget_bytes!r}")
     return _Search(graph, options, started, progress, cancel).solve(budget_bytes)
+
+
+def solve_from(
+    graph: CostGraph,
+    budget_bytes: int,
+    options: SolveOptions,
+    start: Sequence[bool] | None,
+    *,
+    cancel: threading.Event | None = None,
+) -> Solution:
+    """``solve`` that starts from a plan (per node save flags), e.g. a neighbouring
+    budget's answer in a sweep: when it fits, the search is hinted with it and
+    cut off at its FLOPs, so the answer is never worse than ``start``."""
+    return _Search(graph, options, time.monotonic(), None, cancel).solve(budget_bytes, start)
 
 
 def min_feasible_budget(graph: CostGraph, tie: bool = True) -> int:
@@ -122,16 +137,20 @@ class _Search:
 
     # ---- the request ------------------------------------------------------
 
-    def solve(self, budget: int) -> Solution:
+    def solve(self, budget: int, start: Sequence[bool] | None = None) -> Solution:
         kind = self.options.backend
         plan: _Plan | None
-        if budget >= max_useful_budget(self.graph):
+        full = max_useful_budget(self.graph)
+        if start is None and not self.options.tie and budget < full:
+            start = self._tied_start(budget)
+        start_plan = self._start_plan(budget, start)
+        if budget >= full:
             # Saving everything fits and runs the fewest nodes: phase 1 is answered.
             save_all = self._plan((True,) * self.f.num_decisions)
             fewest = float(self.f.recompute_flops.cap(save_all.recompute_flops))
             first, plan = RawResult(Outcome.OPTIMAL, save_all.decisions, fewest), save_all
         else:
-            kind, first, plan = self._min_flops(kind, budget)
+            kind, first, plan = self._min_flops(kind, budget, start_plan)
             if first.outcome == Outcome.INFEASIBLE:
                 min_budget = self.min_budget()
                 if min_budget <= budget:  # a floating-point backend was wrong; ask CP-SAT
@@ -154,27 +173,79 @@ class _Search:
         candidates = extremes + ([raw.decisions] if raw.decisions is not None else [])
         return min(self._plan(d).residual_bytes for d in candidates)
 
+    # ---- starting points --------------------------------------------------
+
+    def _tied_start(self, budget: int) -> list[bool] | None:
+        """The tied optimum (within a share of the time limit), as per-node saves.
+
+        Every tied plan is an untied plan too, so starting the untied search
+        from it, cut off at its FLOPs, means an untied answer is never worse
+        than the tied one even when the untied search is stopped early.
+        """
+        options = self.options.model_copy(
+            update={"tie": True, "time_limit_s": self.options.time_limit_s * TIED_SHARE}
+        )
+        try:
+            tied = _Search(self.graph, options, time.monotonic(), None, self.cancel).solve(budget)
+        except InfeasibleBudgetError:
+            return None
+        if not tied.node_decisions:
+            return None
+        return [d == "save" for d in tied.node_decisions]
+
+    def _start_plan(self, budget: int, start: Sequence[bool] | None) -> _Plan | None:
+        if start is None:
+            return None
+        decisions = tuple(any(start[n] for n in nodes) for nodes in self.f.decision_nodes)
+        plan = self._plan(decisions)
+        return plan if plan.residual_bytes <= budget else None
+
     # ---- phases -----------------------------------------------------------
 
     def _min_flops(
-        self, kind: Backend, budget: int
+        self, kind: Backend, budget: int, start: _Plan | None = None
     ) -> tuple[Backend, RawResult, _Plan | None]:
-        """Phase 1, with over-budget floating-point plans tightened and re-solved."""
+        """Phase 1, with over-budget floating-point plans tightened and re-solved.
+
+        With a ``start`` plan within budget the search is hinted with it and cut
+        off at its FLOPs; if the search finds nothing better, ``start`` is the answer.
+        """
+        kind, raw, plan = self._min_flops_search(kind, budget, start)
+        if start is None or (plan is not None and plan.recompute_flops <= start.recompute_flops):
+            return kind, raw, plan
+        if raw.outcome == Outcome.OPTIMAL:  # proven: nothing cheaper than the start fits
+            scaled = float(self.f.recompute_flops.cap(start.recompute_flops))
+            return kind, RawResult(Outcome.OPTIMAL, start.decisions, scaled, raw.work), start
+        return kind, RawResult(Outcome.FEASIBLE, start.decisions, raw.bound, raw.work), start
+
+    def _min_flops_search(
+        self, kind: Backend, budget: int, start: _Plan | None
+    ) -> tuple[Backend, RawResult, _Plan | None]:
         cap = self.f.residual_bytes.cap(budget)
+        flops_cap = None
+        if start is not None:
+            self._backend(kind).hint(self.f.assignment(self.graph, start.decisions))
+            flops_cap = self.f.recompute_flops.cap(start.recompute_flops)
         for attempt in range(MAX_TIGHTENINGS + 1):
             if cap < 0:
                 raw = RawResult(Outcome.INFEASIBLE, None, 0.0)
             else:
-                raw = self._run(kind, Goal(Objective.FLOPS, bytes_cap=cap), report=True)
+                goal = Goal(Objective.FLOPS, bytes_cap=cap, flops_cap=flops_cap)
+                raw = self._run(kind, goal, report=True)
             if raw.decisions is None:
-                if raw.outcome == Outcome.INFEASIBLE and attempt > 0:
-                    break  # infeasible only because we tightened
+                if raw.outcome == Outcome.INFEASIBLE and (attempt > 0 or start is not None):
+                    break  # infeasible only because we tightened or cut off at the start
                 return kind, raw, None
             plan = self._plan(raw.decisions)
             excess = plan.residual_bytes - budget
             if excess <= 0:
                 return kind, raw, plan
             cap -= -(-excess // self.f.residual_bytes.scale)
+        if start is not None:
+            # Nothing below the start's FLOPs fits: with an exact backend that proves it.
+            exact = kind == Backend.CPSAT and raw.outcome == Outcome.INFEASIBLE
+            outcome = Outcome.OPTIMAL if exact else Outcome.FEASIBLE
+            return kind, RawResult(outcome, None, raw.bound, raw.work), None
         if kind == Backend.CPSAT:
             raise AssertionError("CP-SAT returned a plan over budget; the formulation is wrong")
         return self._min_flops(Backend.CPSAT, budget)

@@ -73,6 +73,9 @@ class MilpBackend(Protocol):
         cancel: threading.Event | None = None,
     ) -> RawResult: ...
 
+    def hint(self, values: list[int]) -> None:
+        """Start the next search from this complete assignment (one value per variable)."""
+
 
 def make_backend(kind: Backend, formulation: Formulation) -> MilpBackend:
     if kind == Backend.CPSAT:

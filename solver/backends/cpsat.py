@@ -58,6 +58,9 @@ class CpSatBackend:
         self._x = x
         self._last: list[int] | None = None  # previous phase's solution, for the hint
 
+    def hint(self, values: list[int]) -> None:
+        self._last = list(values)
+
     def minimize(
         self,
         goal: Goal,

@@ -73,6 +73,9 @@ class ScipBackend:
         self._x = x
         self._last: list[float] | None = None
 
+    def hint(self, values: list[int]) -> None:
+        self._last = [float(v) for v in values]
+
     def minimize(
         self,
         goal: Goal,

@@ -1,0 +1,40 @@
+"""The solver at scale: untied starts from tied, sweeps reuse neighbours, answers repeat."""
+
+from __future__ import annotations
+
+import pytest
+
+from solver import max_useful_budget, solve
+from solver.solution import SolveStatus
+from solver.solve import solve_from
+from solver.synthetic import transformer_like
+
+
+@pytest.fixture(scope="module")
+def stack():
+    return transformer_like(8, seq=128, d_model=256)
+
+
+@pytest.mark.parametrize("fraction", [0.25, 0.5])
+def test_untied_is_never_worse_than_tied_even_when_cut_short(stack, fraction: float) -> None:
+    budget = int(max_useful_budget(stack) * fraction)
+    tied = solve(stack, budget, tie=True)
+    # A time limit too short to prove anything untied still keeps the tied optimum.
+    short = solve(stack, budget, tie=False, time_limit_s=0.5)
+    full = solve(stack, budget, tie=False)
+    assert short.recompute_flops <= tied.recompute_flops
+    assert full.recompute_flops <= tied.recompute_flops
+    assert full.status == SolveStatus.OPTIMAL
+    assert short.residual_bytes <= budget
+
+
+def test_a_start_plan_is_a_ceiling_and_keeps_the_optimum(stack) -> None:
+    budget = int(max_useful_budget(stack) * 0.4)
+    cold = solve(stack, budget)
+    save_all = [True] * stack.num_nodes  # over budget: ignored as a start
+    assert solve_from(stack, budget, cold.options, save_all).recompute_flops == \
+        cold.recompute_flops
+    start = [d == "save" for d in cold.node_decisions]
+    warm = solve_from(stack, budget, cold.options, start)
+    assert warm.status == SolveStatus.OPTIMAL
+    assert warm.recompute_flops == cold.recompute_flops
