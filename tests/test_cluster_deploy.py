@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import setuptools
 import yaml
 
 from service.cluster_store import JOB_TIMEOUT_MARGIN_S
@@ -58,6 +59,18 @@ def test_the_image_is_the_service_without_jax() -> None:
     assert "HEALTHCHECK" in dockerfile and "/healthz" in dockerfile
     ignored = (REPO / ".dockerignore").read_text().split()
     assert ignored[ignored.index("*") + 1:][:1] == ["!pyproject.toml"]  # an allow-list
+
+
+def test_the_wheel_the_image_installs_has_every_package() -> None:
+    # An editable install finds any package on disk; the image installs a wheel, which
+    # has only what setuptools is told to find.
+    find = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"][
+        "packages"]["find"]
+    packaged = set(setuptools.find_packages(where=REPO, include=find["include"]))
+    on_disk = {".".join(p.parent.relative_to(REPO).parts)
+               for root in ("solver", "client", "service")
+               for p in (REPO / root).rglob("__init__.py")}
+    assert packaged == on_disk
 
 
 def test_workers_outlast_the_longest_solve_on_shutdown() -> None:
