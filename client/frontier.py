@@ -13,10 +13,23 @@ from dataclasses import dataclass
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from solver.frontier import mark_pareto, point_fields, solve_budgets, spaced_budgets
 from solver.graph import CostGraph
 from solver.semantics import baseline_backward_flops, evaluate
-from solver.solution import InfeasibleBudgetError, SolveOptions, SolveStatus
-from solver.solve import max_useful_budget, min_feasible_budget, resolve_options, solve
+from solver.solution import SolveOptions, SolveStatus
+from solver.solve import max_useful_budget, min_feasible_budget, resolve_options
+
+__all__ = [
+    "DEFAULT_POINTS",
+    "Frontier",
+    "FrontierPoint",
+    "PolicyPoint",
+    "builtin_points",
+    "graph_builtin_points",
+    "mark_pareto",
+    "spaced_budgets",
+    "sweep",
+]
 
 DEFAULT_POINTS = 12
 
@@ -48,19 +61,13 @@ class Frontier(BaseModel):
                       key=lambda p: (p.residual_bytes, p.recompute_flops))
 
 
-def spaced_budgets(low: int, high: int, count: int) -> list[int]:
-    """``count`` budgets evenly spaced from ``low`` to ``high`` (both included)."""
-    if count < 2:
-        raise ValueError(f"a sweep needs at least 2 points, got {count}")
-    return sorted({low + (high - low) * i // (count - 1) for i in range(count)})
-
-
 def sweep(graph: CostGraph, budgets: Sequence[int] | None = None,
              count: int | None = DEFAULT_POINTS, *, also: Sequence[int] = (),
              **options: object) -> Frontier:
     """Solve ``graph`` once per budget: explicit ``budgets``, or ``count`` spaced ones
     from the smallest feasible budget to the largest useful one (plus the feasible
-    ones in ``also``)."""
+    ones in ``also``). Each solve starts from the previous budget's plan
+    (``solver.frontier.solve_budgets``)."""
     resolved = resolve_options(None, dict(options))
     low = high = None
     if budgets is None:
@@ -68,29 +75,11 @@ def sweep(graph: CostGraph, budgets: Sequence[int] | None = None,
             raise ValueError("give budgets or count")
         low, high = min_feasible_budget(graph, resolved.tie), max_useful_budget(graph)
         budgets = spaced_budgets(low, high, count) + [b for b in also if low <= b <= high]
-    points = []
-    for budget in sorted(set(budgets)):
-        try:
-            sol = solve(graph, budget, resolved)
-        except InfeasibleBudgetError as err:
-            points.append(FrontierPoint(budget_bytes=budget, status=SolveStatus.INFEASIBLE,
-                                        min_budget_bytes=err.min_budget_bytes))
-            continue
-        points.append(FrontierPoint(budget_bytes=budget, status=sol.status,
-                                    residual_bytes=sol.residual_bytes,
-                                    recompute_flops=sol.recompute_flops))
+    results = solve_budgets(graph, budgets, resolved)
+    points = [FrontierPoint(**point_fields(budget, result)) for budget, result in results.items()]
     mark_pareto(points)
     return Frontier(graph_hash=graph.content_hash, options=resolved, min_feasible_budget=low,
                     max_useful_budget=high, points=points)
-
-
-def mark_pareto(points: list[FrontierPoint]) -> None:
-    """Set ``pareto`` on the plans no other plan beats in both bytes and FLOPs."""
-    plans = [(p, (p.residual_bytes, p.recompute_flops)) for p in points
-             if p.residual_bytes is not None and p.recompute_flops is not None]
-    for p, cost in plans:
-        p.pareto = not any(other[0] <= cost[0] and other[1] <= cost[1] and other != cost
-                           for _, other in plans)
 
 
 # ---- JAX's built-in policies ---------------------------------------------------

@@ -39,8 +39,9 @@ from service.worker import (
     Solved,
     solver_version,
 )
+from solver.frontier import SweepResult, mark_pareto, point_fields, spaced_budgets
 from solver.graph import CostGraph
-from solver.solution import Solution, SolveOptions, SolveStatus
+from solver.solution import InfeasibleBudgetError, Solution, SolveOptions
 
 if TYPE_CHECKING:
     from service.backend import SolveBackend
@@ -346,36 +347,21 @@ async def frontier(backend: SolveBackend, graph: CostGraph, budgets: list[int] |
         if not isinstance(span, BudgetRange):
             return span
         low, high = span.min_feasible_budget, span.max_useful_budget
-        budgets = [low + (high - low) * i // (count - 1) for i in range(count)]
+        budgets = spaced_budgets(low, high, count)
     budgets = sorted(set(budgets))
     outcomes = await asyncio.gather(*(backend.solve(graph, b, options) for b in budgets))
     points = []
     for budget, outcome in zip(budgets, outcomes, strict=True):
         if isinstance(outcome, Infeasible):
-            points.append(FrontierPoint(budget_bytes=budget, status=SolveStatus.INFEASIBLE,
-                                        min_budget_bytes=outcome.min_budget_bytes))
+            result: SweepResult = InfeasibleBudgetError(budget, outcome.min_budget_bytes)
         elif isinstance(outcome, Solved):
-            sol = Solution.model_validate_json(outcome.solution_json)
-            planned = sol.status != SolveStatus.TIMED_OUT  # timed out: no plan to report
-            points.append(FrontierPoint(
-                budget_bytes=budget, status=sol.status,
-                residual_bytes=sol.residual_bytes if planned else None,
-                recompute_flops=sol.recompute_flops if planned else None,
-            ))
+            result = Solution.model_validate_json(outcome.solution_json)
         else:
             return outcome
-    _mark_pareto(points)
+        points.append(FrontierPoint(**point_fields(budget, result)))
+    mark_pareto(points)
     return Frontier(graph_hash=graph.content_hash, options=options, min_feasible_budget=low,
                     max_useful_budget=high, points=points)
 
 
-def _mark_pareto(points: list[FrontierPoint]) -> None:
-    plans = [p for p in points if p.status in (SolveStatus.OPTIMAL, SolveStatus.FEASIBLE)]
-    for p in plans:
-        assert p.residual_bytes is not None and p.recompute_flops is not None
-        p.pareto = not any(
-            q is not p and q.residual_bytes is not None and q.recompute_flops is not None
-            and q.residual_bytes <= p.residual_bytes and q.recompute_flops <= p.recompute_flops
-            and (q.residual_bytes, q.recompute_flops) != (p.residual_bytes, p.recompute_flops)
-            for q in plans
-        )
+_mark_pareto = mark_pareto  # its name before the sweep moved to solver.frontier

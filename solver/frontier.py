@@ -1,0 +1,87 @@
+"""The budget sweep: one place for the budgets, the warm-started solves and Pareto marks.
+
+``client.frontier.sweep`` (local) and the service's ``POST /v1/frontier`` both
+space budgets with ``spaced_budgets``, build points with ``point_fields`` and
+mark them with ``mark_pareto``. ``solve_budgets`` is the sweep itself: budgets
+in increasing order, each solve started from the previous budget's plan. That
+plan fits every larger budget, so it is a hint and a FLOPs ceiling (an upper
+bound) for its neighbour: a search that would otherwise start from nothing
+starts from a plan that is usually optimal or nearly so.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Sequence
+from typing import Any, Protocol
+
+from solver.graph import CostGraph
+from solver.solution import InfeasibleBudgetError, Solution, SolveOptions, SolveStatus
+from solver.solve import solve_from
+
+
+class ParetoPoint(Protocol):
+    status: SolveStatus
+    residual_bytes: int | None
+    recompute_flops: int | None
+    pareto: bool
+
+
+def spaced_budgets(low: int, high: int, count: int) -> list[int]:
+    """``count`` budgets evenly spaced from ``low`` to ``high`` (both included)."""
+    if count < 2:
+        raise ValueError(f"a sweep needs at least 2 points, got {count}")
+    return sorted({low + (high - low) * i // (count - 1) for i in range(count)})
+
+
+SweepResult = Solution | InfeasibleBudgetError
+
+
+def solve_budgets(
+    graph: CostGraph,
+    budgets: Sequence[int],
+    options: SolveOptions,
+    *,
+    cancel: threading.Event | None = None,
+    on_point: Callable[[int, SweepResult], None] | None = None,
+) -> dict[int, SweepResult]:
+    """One solve per distinct budget, smallest first, each warm-started from the last plan."""
+    results: dict[int, SweepResult] = {}
+    start: list[bool] | None = None
+    for budget in sorted(set(budgets)):
+        result: SweepResult
+        try:
+            result = solve_from(graph, budget, options, start, cancel=cancel)
+        except InfeasibleBudgetError as err:
+            result = err
+        else:
+            if result.node_decisions:
+                start = [d == "save" for d in result.node_decisions]
+        results[budget] = result
+        if on_point is not None:
+            on_point(budget, result)
+    return results
+
+
+def point_fields(budget: int, result: SweepResult) -> dict[str, Any]:
+    """A frontier point's fields: an infeasible budget names the smallest feasible one;
+    a timed-out solve has no plan to report."""
+    if isinstance(result, InfeasibleBudgetError):
+        return dict(budget_bytes=budget, status=SolveStatus.INFEASIBLE,
+                    min_budget_bytes=result.min_budget_bytes)
+    planned = result.status in (SolveStatus.OPTIMAL, SolveStatus.FEASIBLE)
+    return dict(budget_bytes=budget, status=result.status,
+                residual_bytes=result.residual_bytes if planned else None,
+                recompute_flops=result.recompute_flops if planned else None)
+
+
+def mark_pareto(points: Sequence[ParetoPoint]) -> None:
+    """Set ``pareto`` on the plans no other plan beats in both bytes and FLOPs
+    (equal plans are all marked)."""
+    plans = [(p, (p.residual_bytes, p.recompute_flops)) for p in points
+             if p.status in (SolveStatus.OPTIMAL, SolveStatus.FEASIBLE)
+             and p.residual_bytes is not None and p.recompute_flops is not None]
+    plans_ = [(p, (int(b or 0), int(f or 0))) for p, (b, f) in plans]
+    for p, cost in plans_:
+        p.pareto = not any(other[0] <= cost[0] and other[1] <= cost[1] and other != cost
+                           for _, other in plans_)
