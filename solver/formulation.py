@@ -33,7 +33,7 @@ from dataclasses import dataclass
 from math import gcd
 
 from solver.graph import CostGraph, NodeMode
-from solver.reduction import bounds
+from solver.reduction import bounds, dominated_choices
 from solver.semantics import Evaluation, baseline_backward_flops, evaluate
 
 # (variable index, polarity): (3, True) is x3, (3, False) is "not x3".
@@ -159,8 +159,13 @@ def _scaled(terms: list[tuple[int, int]], offset: int) -> ScaledSum:
     return ScaledSum(tuple((v, c // scale) for v, c in terms), scale, offset)
 
 
-def build(graph: CostGraph, tie: bool) -> Formulation:
-    """The MILP for ``graph``; ``tie`` gives all free nodes of one policy key one decision."""
+def build(graph: CostGraph, tie: bool, reduce: bool = True) -> Formulation:
+    """The MILP for ``graph``; ``tie`` gives all free nodes of one policy key one decision.
+
+    ``reduce`` fixes decisions whose other choice is dominated
+    (``reduction.dominated_choices``); without it the model is the direct one,
+    the reference the reductions are tested against.
+    """
     b = bounds(graph)
     modes = graph.node_mode
     outs, ins, producer = graph.node_outputs, graph.node_inputs, graph.producer
@@ -191,6 +196,13 @@ def build(graph: CostGraph, tie: bool) -> Formulation:
         decision_keys.append(key)
         for m in nodes:
             decision_of[m] = d
+
+    if reduce:
+        fixed = dominated_choices(graph, b, tie)
+        for d, nodes in enumerate(decision_nodes):
+            choices = {fixed.get(n) for n in nodes}
+            if len(choices) == 1 and None not in choices:
+                builder.clause((d, choices.pop() is True))
 
     def save(n: int) -> Lit | bool:
         if modes[n] != NodeMode.FREE:

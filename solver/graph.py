@@ -74,6 +74,13 @@ class CostGraph(BaseModel):
     backward_reads: list[NonNegInt]
     carry_in: list[NonNegInt] = Field(default_factory=list)
     carry_out: list[NonNegInt] = Field(default_factory=list)
+    # Optional (added after version 1, absent from older graphs): per node, the
+    # number of batch dimensions of a dot_general (0 for every other primitive),
+    # which ``dots_with_no_batch_dims_saveable`` needs. Left out of the JSON when
+    # unset, so graphs without it keep their content hash and older readers.
+    node_batch_dims: list[NonNegInt] | None = Field(
+        default=None, exclude_if=lambda v: v is None
+    )
 
     @model_validator(mode="before")
     @classmethod
@@ -185,6 +192,7 @@ class GraphBuilder:
         mode: NodeMode | str = NodeMode.FREE,
         repeat: int = 1,
         source: str = "",
+        batch_dims: int | None = None,
     ) -> int:
         self.nodes.append(
             dict(
@@ -196,6 +204,7 @@ class GraphBuilder:
                 mode=NodeMode(mode),
                 repeat=int(repeat),
                 source=source,
+                batch_dims=batch_dims,
             )
         )
         return len(self.nodes) - 1
@@ -228,4 +237,8 @@ class GraphBuilder:
             backward_reads=sorted(set(self.backward_reads)),
             carry_in=self.carry_in,
             carry_out=self.carry_out,
+            node_batch_dims=(
+                [n["batch_dims"] or 0 for n in self.nodes]
+                if any(n["batch_dims"] is not None for n in self.nodes) else None
+            ),
         )

@@ -39,3 +39,60 @@ def bounds(graph: CostGraph) -> Bounds:
         always_active=frozenset(fewest.active),
         maybe_active=frozenset(most.active),
     )
+
+
+def dominated_choices(graph: CostGraph, b: Bounds, tie: bool) -> dict[int, bool]:
+    """Free nodes whose other choice is dominated: node position -> the choice to keep.
+
+    Each rule turns any plan into one that is no worse in both FLOPs and bytes
+    and makes the rule's choice; so fixing all of them keeps an optimal plan.
+
+    * **save, free of bytes**: every output some plan needs has 0 bytes. Saving
+      adds no residual bytes and only removes reads (the fixpoint is monotone).
+    * **recompute, free of FLOPs**: 0 FLOPs and every input is needed by every
+      plan. Running it again reads nothing new, and its outputs leave the
+      residuals.
+    * **zero-FLOP chains**: 0 FLOPs, one input ``v`` (no loop carry) and one
+      output ``w`` with ``bytes(v) <= bytes(w)`` (a reshape, a transpose), and
+      ``v`` is an input, a forced save's only output or the only output of a
+      per-node decision. A plan that saves it keeps ``w`` (when needed) where
+      saving ``v``'s producer instead and recomputing the node keeps the no
+      larger ``v`` and runs nothing more. Applied consumers-first (reverse
+      topological order) these rewrites never undo each other, so a chain of
+      such nodes collapses onto its head.
+
+    With ``tie`` a keyed node's decision is shared by its whole key, so the
+    chain rule, which also changes the producer's decision, applies only to
+    nodes that decide alone (no key) with producers that decide alone.
+    """
+    from solver.graph import NodeMode
+
+    modes, keys, flops = graph.node_mode, graph.node_key, graph.node_flops
+    outs, ins, producer = graph.node_outputs, graph.node_inputs, graph.producer
+    nbytes = graph.value_bytes
+    carried = {graph.value_index[v] for v in graph.carry_in}
+
+    def alone(n: int) -> bool:
+        return not tie or not keys[n]
+
+    fixed: dict[int, bool] = {}
+    for n in range(graph.num_nodes):
+        if modes[n] != NodeMode.FREE:
+            continue
+        maybe_outs = [v for v in outs[n] if v in b.maybe_needed]
+        if not maybe_outs:
+            continue
+        if all(nbytes[v] == 0 for v in maybe_outs):
+            fixed[n] = True
+        elif flops[n] == 0 and all(v in b.always_needed for v in ins[n]):
+            fixed[n] = False
+        elif flops[n] == 0 and alone(n) and len(ins[n]) == 1 and len(outs[n]) == 1:
+            (v,), (w,) = ins[n], outs[n]
+            p = producer[v]
+            settable = p is None or (
+                len(outs[p]) == 1
+                and (modes[p] == NodeMode.SAVE or (modes[p] == NodeMode.FREE and alone(p)))
+            )
+            if v not in carried and nbytes[v] <= nbytes[w] and settable:
+                fixed[n] = False
+    return fixed

@@ -9,6 +9,8 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictInt
 
+from solver.baselines import BaselineResult
+
 
 class SolveStatus(StrEnum):
     OPTIMAL = "optimal"
@@ -31,6 +33,14 @@ class SolveOptions(BaseModel):
     time_limit_s: float = Field(default=60.0, gt=0)
     relative_gap: float = Field(default=0.0, ge=0, le=1)
     backend: Backend = Backend.CPSAT
+    # Options added after the first release are left out of the JSON at their
+    # defaults: earlier requests keep their hash, earlier readers parse the JSON.
+    # The direct formulation: no dominated choices fixed and an untied solve not
+    # started from the tied plan; the reference for tests and benchmarks.
+    direct: bool = Field(default=False, exclude_if=lambda v: v is False)
+    # Evaluate JAX's built-in policies and the greedy knapsack on the graph and
+    # report them in ``Solution.baselines``.
+    compare_baselines: bool = Field(default=False, exclude_if=lambda v: v is False)
 
 
 class Solution(BaseModel):
@@ -56,6 +66,9 @@ class Solution(BaseModel):
     solver: str
     solver_version: str
     solve_seconds: float = 0.0
+    # With ``options.compare_baselines``: each baseline's cost and its distance
+    # from this plan (``solver.baselines``). Left out of the JSON when unset.
+    baselines: list[BaselineResult] | None = Field(default=None, exclude_if=lambda v: v is None)
 
     def fingerprint(self) -> str:
         """sha256 over every deterministic field (all but ``solve_seconds``)."""

@@ -27,6 +27,7 @@ from typing import Any
 import ortools
 
 from solver.backends import Goal, MilpBackend, Objective, Outcome, RawResult, make_backend
+from solver.baselines import compare
 from solver.formulation import Formulation, build
 from solver.graph import CostGraph
 from solver.semantics import Evaluation, baseline_backward_flops, evaluate
@@ -131,7 +132,7 @@ class _Search:
         self.deadline = started + options.time_limit_s
         self.progress = progress
         self.cancel = cancel
-        self.f: Formulation = build(graph, options.tie)
+        self.f: Formulation = build(graph, options.tie, reduce=not options.direct)
         self.baseline = baseline_backward_flops(graph)
         self._backends: dict[Backend, MilpBackend] = {}
 
@@ -141,9 +142,11 @@ class _Search:
         kind = self.options.backend
         plan: _Plan | None
         full = max_useful_budget(self.graph)
-        if start is None and not self.options.tie and budget < full:
-            start = self._tied_start(budget)
-        start_plan = self._start_plan(budget, start)
+        starts = [self._start_plan(budget, start)]
+        if not self.options.tie and not self.options.direct and budget < full:
+            starts.append(self._start_plan(budget, self._tied_start(budget)))
+        plans = [p for p in starts if p is not None]
+        start_plan = min(plans, key=lambda p: (p.recompute_flops, p.residual_bytes), default=None)
         if budget >= full:
             # Saving everything fits and runs the fewest nodes: phase 1 is answered.
             save_all = self._plan((True,) * self.f.num_decisions)
@@ -358,5 +361,7 @@ class _Search:
             gap=0.0 if recompute == lower_bound else (recompute - lower_bound) / recompute,
             saved_keys=sorted({key for key, d in keys if d and key}),
             node_decisions=["save" if s else "recompute" for s in saves],
+            baselines=(compare(self.graph, budget, recompute)
+                       if self.options.compare_baselines else None),
             solve_seconds=time.monotonic() - self.started,
         )

@@ -38,6 +38,7 @@ class _Tracer:
         reads: tuple[int, ...] = (),  # positions in ``inputs`` the backward pass reads
         reads_output: bool = False,
         dtype: str = "bfloat16",
+        batch_dims: int | None = None,
     ) -> int:
         out = self.b.value(prod(shape) * _DTYPE_BYTES[dtype], shape, dtype)
         self.shape[out], self.dtype[out] = shape, dtype
@@ -45,7 +46,9 @@ class _Tracer:
             f"{self.dtype[v]}{list(self.shape[v])}" for v in inputs
         ) + f")->{list(shape)}"
         self.b.node(prim, inputs, [out], key=key,
-                    flops=prod(shape) if flops is None else flops)
+                    flops=prod(shape) if flops is None else flops,
+                    batch_dims=batch_dims if batch_dims is not None else
+                    (0 if prim == "dot_general" else None))
         self.b.backward_reads.extend(inputs[i] for i in reads)
         if reads_output:
             self.b.backward_reads.append(out)
@@ -96,13 +99,14 @@ def transformer_like(
         q, k, v = (t.op("reshape", [_dot(t, y, w, act, d_model)], split, flops=0)
                    for w in (wq, wk, wv))
         s = t.op("dot_general", [q, k], scores, flops=2 * prod(scores) * split[-1],
-                 reads=(0, 1))
+                 reads=(0, 1), batch_dims=2)
         s = t.op("mul", [s, softmax_scale], scores, reads=(1,))
         m = t.op("reduce_max", [s], (*scores[:-1], 1), flops=prod(scores))
         e = t.op("exp", [t.op("sub", [s, m], scores)], scores, reads_output=True)
         z = t.op("reduce_sum", [e], (*scores[:-1], 1), flops=prod(scores))
         p = t.op("div", [e, z], scores, reads=(0, 1))
-        o = t.op("dot_general", [p, v], split, flops=2 * prod(split) * seq, reads=(0, 1))
+        o = t.op("dot_general", [p, v], split, flops=2 * prod(split) * seq, reads=(0, 1),
+                 batch_dims=2)
         o = t.op("reshape", [o], act, flops=0)
         h = t.op("add", [h, _dot(t, o, wo, act, d_model)], act)
         # tanh-GELU MLP

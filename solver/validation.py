@@ -23,6 +23,8 @@ def _check_columns(g: CostGraph) -> None:
                   "node_source"):
         if len(getattr(g, field)) != nn:
             _fail(f"{field} has {len(getattr(g, field))} entries, node_id has {nn}")
+    if g.node_batch_dims is not None and len(g.node_batch_dims) != nn:
+        _fail(f"node_batch_dims has {len(g.node_batch_dims)} entries, node_id has {nn}")
     for ptr_name, ids_name in (("input_ptr", "input_ids"), ("output_ptr", "output_ids")):
         ptr, ids = getattr(g, ptr_name), getattr(g, ids_name)
         if len(ptr) != nn + 1 or (ptr and ptr[0] != 0) or (ptr and ptr[-1] != len(ids)):

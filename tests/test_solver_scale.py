@@ -4,7 +4,15 @@ from __future__ import annotations
 
 import pytest
 
-from solver import max_useful_budget, solve
+from solver import (
+    InfeasibleBudgetError,
+    Solution,
+    SolveOptions,
+    max_useful_budget,
+    min_feasible_budget,
+    solve,
+)
+from solver.frontier import solve_budgets, spaced_budgets
 from solver.solution import SolveStatus
 from solver.solve import solve_from
 from solver.synthetic import transformer_like
@@ -38,3 +46,18 @@ def test_a_start_plan_is_a_ceiling_and_keeps_the_optimum(stack) -> None:
     warm = solve_from(stack, budget, cold.options, start)
     assert warm.status == SolveStatus.OPTIMAL
     assert warm.recompute_flops == cold.recompute_flops
+
+
+def test_a_warm_sweep_gives_each_budget_its_cold_optimum(stack) -> None:
+    low, high = min_feasible_budget(stack), max_useful_budget(stack)
+    budgets = spaced_budgets(low, high, 5) + [low - 1]
+    options = SolveOptions()
+    results = solve_budgets(stack, budgets, options)
+    assert list(results) == sorted(budgets)
+    assert isinstance(results[low - 1], InfeasibleBudgetError)
+    for budget in budgets[:-1]:
+        warm, cold = results[budget], solve(stack, budget, options)
+        assert isinstance(warm, Solution)
+        assert warm.status == SolveStatus.OPTIMAL
+        assert (warm.recompute_flops, warm.residual_bytes) == \
+            (cold.recompute_flops, cold.residual_bytes)
