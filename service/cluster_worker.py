@@ -96,7 +96,8 @@ def _watch(store: ClusterStore, key: str, generation: str, cancel: threading.Eve
     written: ProgressReport | None = None
     while not done.wait(_POLL_S):
         try:
-            if store.cancel_requested(key):
+            if not cancel.is_set() and store.cancel_requested(key):
+                log.info("cancel requested", extra={"job": key})
                 cancel.set()
             latest = progress.latest
             if latest is not None and latest is not written:

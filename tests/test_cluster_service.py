@@ -31,12 +31,12 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
 def _transformer() -> tuple[CostGraph, int]:
     graph = transformer_like(24)
     low, high = min_feasible_budget(graph, tie=False), max_useful_budget(graph)
-    return graph, low + (high - low) // 4
+    return graph, low + (high - low) // 10
 
 
 def slow_request(variant: int, time_limit_s: float = 4) -> dict[str, Any]:
-    """Untied, CP-SAT finds a plan in a second or two and then searches to its time limit
-    (proving this one optimal takes it minutes). ``variant`` makes a distinct request."""
+    """Untied with a tight budget: a plan after a couple of seconds, then the search
+    runs to its time limit. ``variant`` makes a distinct request."""
     graph, budget = _transformer()
     return body(graph, budget + 4096 * variant, tie=False, time_limit_s=time_limit_s)
 
@@ -127,8 +127,13 @@ def test_cancel_reaches_the_solve_on_whichever_worker_runs_it(cluster: Cluster) 
     with cluster.apis[1].client() as client:  # the other replica
         stopped = client.delete(f"/v1/jobs/{job_id}").json()
     assert time.monotonic() - started < 2.0
-    assert stopped["status"] == "cancelled"
-    assert stopped["solution"]["status"] == "feasible"  # the incumbent, kept
+    assert f'"cancel requested", "job": "{job_id}"' in cluster.worker_log()
+    # The solve stopped long before its 60 s and kept its best plan: the job is
+    # cancelled, or succeeded when the plan was proven optimal before the cancel landed
+    # (as in the embedded mode).
+    assert stopped["solution"]["solve_seconds"] < 30
+    assert (stopped["status"], stopped["solution"]["status"]) in (
+        ("cancelled", "feasible"), ("succeeded", "optimal"))
     assert cluster.solves_of(job_id) == 1
     assert job_of(cluster.apis[0], job_id) == stopped
 
