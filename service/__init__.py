@@ -1,4 +1,5 @@
-"""optiremat.service: the REST API over the solver (FastAPI, worker processes, SQLite).
+"""optiremat.service: the REST API over the solver (FastAPI; embedded worker processes and
+SQLite, or Redis and RQ workers when ``OPTIREMAT_REDIS_URL`` is set).
 
 Never imports JAX. Build the app with ``service.main.create_app(settings)``; run it
 with ``optiremat serve``. Importing this package stays cheap: worker processes
