@@ -9,6 +9,14 @@ same Solution on every run and host whenever phase 1 finishes inside
 ``time_limit_s``; a search cut off by the wall clock or by ``cancel`` (status
 feasible) returns whatever it had at that moment.
 
+Phase 1 starts from the best of a few plans that fit the budget: the greedy
+knapsack (``solver.baselines``), for an untied solve the tied optimum found in
+``TIED_SHARE`` of the time limit, and a caller's plan (``solve_from``; a sweep
+passes the neighbouring budget's). The backend is hinted with it and cut off
+at its FLOPs, so a search stopped early still answers with at least that plan,
+and an untied answer is never worse than the tied one. ``direct=True`` skips
+the starts and the reductions: the reference model for tests and benchmarks.
+
 Every plan a backend proposes is re-evaluated with ``semantics.evaluate``;
 reported bytes and FLOPs are those exact integers, never a solver's floats. A
 floating-point backend whose plan turns out over budget is asked again with a
@@ -27,7 +35,7 @@ from typing import Any
 import ortools
 
 from solver.backends import Goal, MilpBackend, Objective, Outcome, RawResult, make_backend
-from solver.baselines import compare
+from solver.baselines import compare, greedy_saves
 from solver.formulation import Formulation, build
 from solver.graph import CostGraph
 from solver.semantics import Evaluation, baseline_backward_flops, evaluate
@@ -143,8 +151,13 @@ class _Search:
         plan: _Plan | None
         full = max_useful_budget(self.graph)
         starts = [self._start_plan(budget, start)]
-        if not self.options.tie and not self.options.direct and budget < full:
-            starts.append(self._start_plan(budget, self._tied_start(budget)))
+        cancelled = self.cancel is not None and self.cancel.is_set()
+        if not self.options.direct and budget < full and not cancelled:
+            # The greedy knapsack is a plan in well under a second: the search
+            # always has an incumbent, and a bad start costs nothing.
+            starts.append(self._start_plan(budget, greedy_saves(self.graph, budget)))
+            if not self.options.tie:
+                starts.append(self._start_plan(budget, self._tied_start(budget)))
         plans = [p for p in starts if p is not None]
         start_plan = min(plans, key=lambda p: (p.recompute_flops, p.residual_bytes), default=None)
         if budget >= full:
