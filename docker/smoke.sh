@@ -26,7 +26,7 @@ IMAGE=localhost/optiremat:smoke
 CA=/etc/ssl/certs/ca-certificates.crt
 buildah() { command buildah --storage-driver vfs "$@"; }
 
-for tool in buildah debootstrap curl python3; do
+for tool in buildah debootstrap curl python3 pgrep; do
     command -v "$tool" >/dev/null || { echo "smoke: install $tool (apt-get install $tool)" >&2; exit 2; }
 done
 [ "$(id -u)" = 0 ] || { echo "smoke: run as root (debootstrap, buildah chroot)" >&2; exit 2; }
@@ -66,8 +66,14 @@ buildah inspect --type image --format '{{.Docker.Config.Healthcheck}}' "$IMAGE" 
 
 # ---- 3. run it ----------------------------------------------------------------------
 containers=() pids=()
+# buildah run does not pass SIGTERM on to the container's process: stop the whole tree.
+kill_tree() {
+    local child
+    for child in $(pgrep -P "$1"); do kill_tree "$child"; done
+    kill "$1" 2>/dev/null || true
+}
 cleanup() {
-    for pid in "${pids[@]}"; do kill "$pid" 2>/dev/null || true; done
+    for pid in "${pids[@]}"; do kill_tree "$pid"; done
     wait 2>/dev/null || true
     for ctr in "${containers[@]}"; do buildah rm "$ctr" >/dev/null 2>&1 || true; done
 }
