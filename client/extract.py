@@ -149,7 +149,7 @@ class _Walker:
             [r.value for r in ins if r.value is not None],
             [r.value for r in outs],
             key=key, flops=flops * ctx.stacked(varying), mode=mode,
-            repeat=ctx.stacked(varying), source=jx.source_of(eqn),
+            repeat=ctx.stacked(varying), source=jx.source_of(eqn), batch_dims=_batch_dims(eqn),
         )
         return outs
 
@@ -391,6 +391,14 @@ RULES: dict[str, Callable[[_Walker, object, Sequence[Ref], Context], list[Ref]]]
     "cond": _Walker.cond_rule,
     "while": _Walker.while_rule,
 }
+
+
+def _batch_dims(eqn) -> int | None:
+    """Batch dimensions of a dot (``dots_with_no_batch_dims_saveable`` looks at them)."""
+    if eqn.primitive.name != "dot_general":
+        return None
+    (_, _), (lhs_batch, rhs_batch) = eqn.params["dimension_numbers"]
+    return max(len(lhs_batch), len(rhs_batch))
 
 
 def _reject_nested_control_flow(eqn) -> None:
