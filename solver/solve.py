@@ -226,6 +226,12 @@ class _Search:
         With a ``start`` plan within budget the search is hinted with it and cut
         off at its FLOPs; if the search finds nothing better, ``start`` is the answer.
         """
+        if start is not None and self.progress is not None:
+            # The start is an incumbent already: report it, since SCIP (through
+            # pywraplp) reports nothing more until it finishes.
+            fewest = self._plan((True,) * self.f.num_decisions).recompute_flops
+            self.progress(start.recompute_flops, min(fewest, start.recompute_flops),
+                          time.monotonic() - self.started)
         kind, raw, plan = self._min_flops_search(kind, budget, start)
         if start is None or (plan is not None and plan.recompute_flops <= start.recompute_flops):
             return kind, raw, plan

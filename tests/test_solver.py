@@ -129,8 +129,10 @@ def budgets(all_plans: list[tuple[int, int]]) -> st.SearchStrategy[int]:
 def test_optimum_equals_brute_force(g: CostGraph, data: st.DataObject, backend: Backend,
                                     tie: bool) -> None:
     all_plans = plans(g, tie)
+    # direct=True solves the bare formulation, without reductions or start plans.
+    direct = data.draw(st.booleans(), label="direct")
     for budget in data.draw(st.lists(budgets(all_plans), min_size=1, max_size=3)):
-        s = solve(g, budget, backend=backend, tie=tie)
+        s = solve(g, budget, backend=backend, tie=tie, direct=direct)
         assert s.status == SolveStatus.OPTIMAL
         assert s.recompute_flops == optimum(all_plans, budget)
         assert s.lower_bound_flops == s.recompute_flops and s.gap == 0.0
@@ -147,10 +149,11 @@ def test_infeasible_budget_names_the_exact_minimum(g: CostGraph, backend: Backen
     assert min_feasible_budget(g, tie=tie) == smallest
     if smallest == 0:
         return
-    with pytest.raises(InfeasibleBudgetError) as info:
-        solve(g, smallest - 1, backend=backend, tie=tie)
-    assert info.value.min_budget_bytes == smallest
-    assert info.value.budget_bytes == smallest - 1
+    for direct in (False, True):
+        with pytest.raises(InfeasibleBudgetError) as info:
+            solve(g, smallest - 1, backend=backend, tie=tie, direct=direct)
+        assert info.value.min_budget_bytes == smallest
+        assert info.value.budget_bytes == smallest - 1
     check_plan(g, solve(g, smallest, backend=backend, tie=tie), smallest, tie)
 
 
@@ -249,12 +252,14 @@ def test_unknown_override_and_bad_budget_are_rejected() -> None:
         solve(g, 1.5)  # type: ignore[arg-type]
 
 
-def test_progress_reports_improving_incumbents() -> None:
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_progress_reports_improving_incumbents(backend: Backend) -> None:
+    """CP-SAT reports each incumbent; SCIP at least the start plan."""
     g = layers(4)
     seen: list[tuple[int, int, float]] = []
-    s = solve(g, between(g, 0.3), tie=False,
+    s = solve(g, between(g, 0.3), tie=False, backend=backend,
               progress=lambda inc, bound, t: seen.append((inc, bound, t)))
-    assert seen, "CP-SAT reports incumbents"
+    assert seen
     incumbents = [inc for inc, _, _ in seen]
     assert incumbents == sorted(incumbents, reverse=True)
     assert all(bound <= inc for inc, bound, _ in seen)
