@@ -43,8 +43,8 @@ def main(argv: list[str] | None = None) -> None:
               f"{'recompute FLOPs':>16} {'gap':>7} {'seconds':>8}")
     print(header)
     print("-" * len(header))
-    totals = {b: 0.0 for b in Backend}
-    wins = {b: 0 for b in Backend}
+    totals = {(tie, b): 0.0 for tie in ties for b in Backend}
+    wins = {(tie, b): 0 for tie in ties for b in Backend}
     for size in args.sizes:
         graph = transformer_like(LAYERS[size])
         full = max_useful_budget(graph)
@@ -62,15 +62,18 @@ def main(argv: list[str] | None = None) -> None:
                     except InfeasibleBudgetError:
                         row = f"{'infeasible':>9} {'':>16} {'':>7}"
                     times[backend] = time.monotonic() - started
-                    totals[backend] += times[backend]
+                    totals[tie, backend] += times[backend]
                     print(f"{graph.num_nodes:>6} nodes {'tied' if tie else 'untied':>6} "
                           f"{fraction:>6.0%} {backend.value:>7} {row} "
                           f"{times[backend]:>8.2f}", flush=True)
-                wins[min(times, key=lambda b: times[b])] += 1
+                wins[tie, min(times, key=lambda b: times[b])] += 1
     print("-" * len(header))
-    for backend in Backend:
-        print(f"{backend.value:>7}: {totals[backend]:8.1f} s in all, fastest on "
-              f"{wins[backend]} of {sum(wins.values())}")
+    for tie in ties:
+        runs = sum(wins[tie, b] for b in Backend)
+        for backend in Backend:
+            print(f"{'tied' if tie else 'untied':>6} {backend.value:>7}: "
+                  f"{totals[tie, backend]:8.1f} s in all, "
+                  f"fastest on {wins[tie, backend]} of {runs}")
 
 
 if __name__ == "__main__":
