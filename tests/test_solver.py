@@ -36,7 +36,7 @@ from solver.synthetic import transformer_like
 
 BACKENDS = [Backend.CPSAT, Backend.SCIP]
 PROPERTY = settings(
-    max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow]
+    max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow]
 )
 
 # ---- random graphs and brute force --------------------------------------------
