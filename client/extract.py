@@ -213,12 +213,7 @@ class _Walker:
     # ---- rules: call-like primitives are flattened --------------------------
 
     def call_rule(self, eqn, refs: Sequence[Ref], ctx: Context) -> list[Ref]:
-        for name in ("jaxpr", "call_jaxpr"):
-            inner = eqn.params.get(name)
-            if inner is not None:
-                break
-        jaxpr = inner.jaxpr if isinstance(inner, jx.ClosedJaxpr) else inner
-        return self.walk(jaxpr, refs, ctx)
+        return self.walk(_called_jaxpr(eqn), refs, ctx)
 
     # ---- scan: the body once, stacked over the length ---------------------
 
@@ -393,6 +388,12 @@ RULES: dict[str, Callable[[_Walker, object, Sequence[Ref], Context], list[Ref]]]
 }
 
 
+def _called_jaxpr(eqn) -> jx.Jaxpr:
+    """The body of a call-like equation (``jit`` keeps it as ``jaxpr``, calls as ``call_jaxpr``)."""
+    inner = eqn.params.get("jaxpr", eqn.params.get("call_jaxpr"))
+    return inner.jaxpr if isinstance(inner, jx.ClosedJaxpr) else inner
+
+
 def _batch_dims(eqn) -> int | None:
     """Batch dimensions of a dot (``dots_with_no_batch_dims_saveable`` looks at them)."""
     if eqn.primitive.name != "dot_general":
@@ -421,10 +422,8 @@ def _known_outputs(jaxpr: jx.Jaxpr, known_in: Sequence[bool]) -> list[bool]:
     for eqn in jaxpr.eqns:
         ins = [read(x) for x in eqn.invars]
         name = eqn.primitive.name
-        if name in ("jit", "pjit", "closed_call", "core_call", "call", "remat2", "checkpoint"):
-            inner = eqn.params.get("jaxpr", eqn.params.get("call_jaxpr"))
-            inner = inner.jaxpr if isinstance(inner, jx.ClosedJaxpr) else inner
-            outs = _known_outputs(inner, ins)
+        if RULES.get(name) is _Walker.call_rule:
+            outs = _known_outputs(_called_jaxpr(eqn), ins)
         elif name == "scan":
             p = eqn.params
             nc, nk = p["num_consts"], p["num_carry"]
@@ -533,8 +532,8 @@ class _BranchSummary:
             text = f"{self.graph.value_dtype[v]}{self.graph.value_shape[v]}"
             n = counts.get(text, 0)
             counts[text] = n + 1
+            self._tag_of[v] = (text, n)
             tags.append(((text, n), self.avals[v]))
-        self._tag_of = {v: t for v, (t, _) in zip(self.residual_order(), tags, strict=True)}
         return tags
 
     def needs_all(self, sinks: Sequence[int | None]) -> tuple[set[int], int]:
