@@ -10,6 +10,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, StrictInt
 
 from solver.baselines import BaselineResult
+from solver.offload import OffloadOptions, OffloadReport
 
 
 class SolveStatus(StrEnum):
@@ -44,6 +45,13 @@ class SolveOptions(BaseModel):
     # Evaluate JAX's built-in policies and the greedy knapsack on the graph and
     # report them in ``Solution.baselines``.
     compare_baselines: bool = Field(default=False, exclude_if=lambda v: v is False)
+    # Offload as a third choice (``solver.offload``): the budget then caps device
+    # residual bytes and the objective is estimated seconds.
+    # (FastAPI leaves the null default out of the response schema: so does the request's.)
+    offload: OffloadOptions | None = Field(
+        default=None, exclude_if=lambda v: v is None,
+        json_schema_extra=lambda schema: schema.pop("default", None),  # type: ignore[arg-type,misc]
+    )
 
 
 class Solution(BaseModel):
@@ -65,13 +73,18 @@ class Solution(BaseModel):
     gap: float
     saved_keys: list[str]  # policy keys decided "save" (tied plans)
     offloaded_keys: list[str] = Field(default_factory=list)
-    node_decisions: list[Literal["save", "recompute"]]  # per graph node, forced modes applied
+    # Per graph node, forced modes applied; "offload" only with ``options.offload``.
+    node_decisions: list[Literal["save", "offload", "recompute"]]
     solver: str
     solver_version: str
     solve_seconds: float = 0.0
     # With ``options.compare_baselines``: each baseline's cost and its distance
     # from this plan (``solver.baselines``). Left out of the JSON when unset.
     baselines: list[BaselineResult] | None = Field(default=None, exclude_if=lambda v: v is None)
+    # With ``options.offload``: host bytes and estimated seconds. ``residual_bytes``
+    # is then device bytes, and ``lower_bound_flops``/``gap`` are on the objective
+    # in FLOP-equivalents (recompute FLOPs plus transfers priced in FLOPs).
+    offload: OffloadReport | None = Field(default=None, exclude_if=lambda v: v is None)
 
     def fingerprint(self) -> str:
         """sha256 over every deterministic field (all but ``solve_seconds``)."""

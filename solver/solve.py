@@ -76,6 +76,11 @@ def solve(
     options = resolve_options(options, overrides)
     if isinstance(budget_bytes, bool) or not isinstance(budget_bytes, int) or budget_bytes < 0:
         raise ValueError(f"budget_bytes must be a non-negative integer, got {budget_bytes!r}")
+    if options.offload is not None:  # a third choice: its own CP-SAT model (solver.offload_solve)
+        from solver.offload_solve import solve_offload
+
+        return solve_offload(graph, budget_bytes, options, progress=progress, cancel=cancel,
+                             started=started)
     return _Search(graph, options, started, progress, cancel).solve(budget_bytes)
 
 
