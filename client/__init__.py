@@ -31,6 +31,7 @@ _EXPORTS = {
     "plot_frontier": "client.plot",
     "PlanFile": "client.planfile",
     "load_plan": "client.planfile",
+    "OffloadOptions": "solver.offload",
 }
 
 __all__ = sorted(_EXPORTS)

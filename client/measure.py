@@ -17,18 +17,21 @@ class Residual:
     dtype: str
     bytes: int
     source: str
+    host: bool = False  # offloaded: JAX keeps it in host memory (``Offloadable``)
 
 
 def saved_residuals(checkpointed: Callable, *args, **kwargs) -> list[Residual]:
     """``jax.ad_checkpoint.saved_residuals``, with sizes."""
     return [
-        Residual(tuple(a.shape), str(a.dtype), aval_bytes(a), src)
+        Residual(tuple(a.shape), str(a.dtype), aval_bytes(a), src,
+                 getattr(a, "memory_space", None) == jx.core.MemorySpace.Host)
         for a, src in jx.saved_residuals(checkpointed, *args, **kwargs)
     ]
 
 
 def residual_bytes(checkpointed: Callable, *args, **kwargs) -> int:
-    return sum(r.bytes for r in saved_residuals(checkpointed, *args, **kwargs))
+    """Bytes of the residuals kept on the device (offloaded ones are not)."""
+    return sum(r.bytes for r in saved_residuals(checkpointed, *args, **kwargs) if not r.host)
 
 
 def _backward(checkpointed: Callable, args, kwargs):

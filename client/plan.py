@@ -21,6 +21,14 @@ from solver.solve import solve
 # solve(graph, budget_bytes, **options) -> Solution: the local solver, or a server's.
 SolveFn = Callable[..., Solution]
 
+# Where offloaded residuals go: JAX's names for accelerator and pinned host memory.
+OFFLOAD_SRC, OFFLOAD_DST = "device", "pinned_host"
+
+
+def host_bytes(solution: Solution) -> int:
+    """Residual bytes a plan offloads to host memory (0 without offload)."""
+    return solution.offload.host_bytes if solution.offload is not None else 0
+
 
 class PlanError(RuntimeError):
     """A plan used in a way it cannot honour exactly."""
@@ -28,20 +36,32 @@ class PlanError(RuntimeError):
 
 @dataclass(frozen=True)
 class NamesForm:
-    """``jax.checkpoint(fun, policy=policy)`` saves exactly ``names``."""
+    """``jax.checkpoint(fun, policy=policy)`` saves exactly ``names`` on the device
+    and offloads exactly ``offloaded`` to host memory."""
 
     fun: Callable  # the user's function with checkpoint_name on every savable value
     names: frozenset[str]
     graph: CostGraph
     solution: Solution
+    offloaded: frozenset[str] = frozenset()
 
     @property
     def policy(self):
-        return jax.checkpoint_policies.save_only_these_names(*sorted(self.names))
+        if not self.offloaded:  # the plain form, which JAX's remat3 path honours too
+            return jax.checkpoint_policies.save_only_these_names(*sorted(self.names))
+        return jax.checkpoint_policies.save_and_offload_only_these_names(
+            names_which_can_be_saved=sorted(self.names),
+            names_which_can_be_offloaded=sorted(self.offloaded),
+            offload_src=OFFLOAD_SRC, offload_dst=OFFLOAD_DST)
 
     @property
     def residual_bytes(self) -> int:
+        """Device residual bytes."""
         return self.solution.residual_bytes
+
+    @property
+    def host_bytes(self) -> int:
+        return host_bytes(self.solution)
 
     @property
     def recompute_flops(self) -> int:
@@ -55,18 +75,21 @@ class NamesForm:
 class Verification:
     """A plan's prediction next to what ``saved_residuals`` reports."""
 
-    predicted_bytes: int
+    predicted_bytes: int  # on the device
     measured_bytes: int
     budget_bytes: int
     residuals: list[Residual]
     predicted_recompute_flops: int | None = None
     measured_recompute_flops: int | None = None
+    predicted_host_bytes: int = 0  # offloaded to host memory
+    measured_host_bytes: int = 0
 
     @property
     def exact(self) -> bool:
         flops_ok = (self.measured_recompute_flops is None
                     or self.measured_recompute_flops == self.predicted_recompute_flops)
-        return self.predicted_bytes == self.measured_bytes and flops_ok
+        host_ok = self.predicted_host_bytes == self.measured_host_bytes
+        return self.predicted_bytes == self.measured_bytes and flops_ok and host_ok
 
     @property
     def within_budget(self) -> bool:
@@ -78,10 +101,14 @@ def _names_form(traced: Traced, budget_bytes: int, options: dict,
     tagged = tag_every_value(traced)
     extraction = graph_of_traced(trace(tagged, traced_args(traced), {}), names=True)
     solution = solve_fn(extraction.graph, budget_bytes, **{**options, "tie": False})
-    saved = {extraction.graph.node_key[n] for n, d in enumerate(solution.node_decisions)
-             if d == "save" and extraction.graph.node_key[n] in extraction.names_by_key}
-    names = frozenset(extraction.names_by_key[k] for k in saved)
-    return NamesForm(tagged, names, extraction.graph, solution)
+
+    def named(decision: str) -> frozenset[str]:
+        keys = extraction.graph.node_key
+        return frozenset(extraction.names_by_key[keys[n]]
+                         for n, d in enumerate(solution.node_decisions)
+                         if d == decision and keys[n] in extraction.names_by_key)
+
+    return NamesForm(tagged, named("save"), extraction.graph, solution, named("offload"))
 
 
 def traced_args(traced: Traced) -> tuple:
@@ -125,7 +152,18 @@ class Plan:
 
     @property
     def residual_bytes(self) -> int:
+        """Residual bytes on the device (all of them without offload)."""
         return self.solution.residual_bytes
+
+    @property
+    def host_bytes(self) -> int:
+        """Residual bytes offloaded to host memory (``offload=OffloadOptions(...)``)."""
+        return host_bytes(self.solution)
+
+    @property
+    def estimated_seconds(self) -> float | None:
+        """Recompute and transfer time the plan adds (offload solves only)."""
+        return self.solution.offload.estimated_seconds if self.solution.offload else None
 
     @property
     def recompute_flops(self) -> int:
@@ -137,16 +175,25 @@ class Plan:
 
     # ---- the two forms ----------------------------------------------------
 
-    @cached_property
-    def saved_keys(self) -> frozenset[str]:
-        """Policy keys to save; a graph key standing for several expands to all of them."""
+    def _keys(self, decision: str) -> frozenset[str]:
+        """Policy keys decided so; a graph key standing for several expands to all of them."""
         g = self.graph
         keys: set[str] = set()
-        for n, decision in enumerate(self.solution.node_decisions):
+        for n, d in enumerate(self.solution.node_decisions):
             key = g.node_key[n]
-            if decision == "save" and key:
+            if d == decision and key:
                 keys |= self.key_aliases.get(key, {key})
         return frozenset(keys)
+
+    @cached_property
+    def saved_keys(self) -> frozenset[str]:
+        """Policy keys to save on the device."""
+        return self._keys("save")
+
+    @cached_property
+    def offloaded_keys(self) -> frozenset[str]:
+        """Policy keys to offload to host memory: the policy answers ``Offloadable``."""
+        return self._keys("offload")
 
     @property
     def policy(self) -> KeyPolicy:
@@ -155,7 +202,7 @@ class Plan:
                 "this plan decides equations one by one (tie=False), which a stateless policy "
                 "cannot express: it sees only (primitive, shapes, params). Use plan.checkpoint() "
                 "or plan.names.fun with plan.names.policy.")
-        return KeyPolicy(self.saved_keys)
+        return KeyPolicy(self.saved_keys, self.offloaded_keys, OFFLOAD_SRC, OFFLOAD_DST)
 
     @property
     def names(self) -> NamesForm:
@@ -187,6 +234,7 @@ class Plan:
         if not args and not kwargs:
             args = traced_args(self.traced)
         residuals = saved_residuals(checkpointed, *args, **kwargs)
+        form: Plan | NamesForm = self if self.tied else self.names
         measured_flops = None
         if flops:
             base_fun = fun if self.tied else self.names.fun
@@ -194,10 +242,10 @@ class Plan:
                                         policy=jax.checkpoint_policies.everything_saveable)
             measured_flops = (backward_flops(checkpointed, *args, **kwargs)
                               - backward_flops(everything, *args, **kwargs))
-        predicted = self.residual_bytes if self.tied else self.names.residual_bytes
-        predicted_flops = self.recompute_flops if self.tied else self.names.recompute_flops
-        return Verification(predicted, sum(r.bytes for r in residuals), self.budget_bytes,
-                            residuals, predicted_flops, measured_flops)
+        device = sum(r.bytes for r in residuals if not r.host)
+        return Verification(form.residual_bytes, device, self.budget_bytes, residuals,
+                            form.recompute_flops, measured_flops, form.host_bytes,
+                            sum(r.bytes for r in residuals if r.host))
 
 
 def optimize(fun: Callable, *args, budget: int | str, tie: bool = True, **options) -> Plan:
@@ -208,8 +256,10 @@ def optimize(fun: Callable, *args, budget: int | str, tie: bool = True, **option
     (see ``client.budget``; its keywords ``device_memory``, ``optimizer_state``,
     ``argnums``, ``donate_argnums`` and ``headroom`` are taken here too).
     Other ``options`` are ``solver.SolveOptions`` fields (``time_limit_s``,
-    ``relative_gap``, ``backend``). Keyword arguments of ``fun`` itself are not
-    taken here: bind them with ``functools.partial``.
+    ``relative_gap``, ``backend``; ``offload=OffloadOptions(...)`` lets the plan
+    keep residuals in host memory, and ``budget`` then caps device bytes).
+    Keyword arguments of ``fun`` itself are not taken here: bind them with
+    ``functools.partial``.
 
     Example::
 

@@ -53,9 +53,17 @@ class PlanFile(BaseModel):
             keys |= set(self.key_aliases.get(key, [key]))
         return frozenset(keys)
 
+    @property
+    def offloaded_keys(self) -> frozenset[str]:
+        keys: set[str] = set()
+        for key in self.solution.offloaded_keys:
+            keys |= set(self.key_aliases.get(key, [key]))
+        return frozenset(keys)
+
     def evaluation(self) -> Evaluation:
         """The plan replayed on its graph: residuals and the equations recomputed."""
-        return evaluate(self.graph, [d == "save" for d in self.solution.node_decisions])
+        # An offloaded node is saved (its residual lives in host memory).
+        return evaluate(self.graph, [d != "recompute" for d in self.solution.node_decisions])
 
     def policy(self) -> KeyPolicy:
         """The policy for ``jax.checkpoint`` (tied plans only)."""
@@ -64,7 +72,7 @@ class PlanFile(BaseModel):
         if not self.solution.options.tie:
             raise ValueError("an untied plan has no stateless policy: re-run optimize() "
                              "for its names form")
-        return KeyPolicy(self.saved_keys)
+        return KeyPolicy(self.saved_keys, self.offloaded_keys)
 
     def write(self, path: str | Path) -> Path:
         path = Path(path)

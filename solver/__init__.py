@@ -4,6 +4,7 @@ Pure pydantic + OR-Tools; never imports JAX.
 """
 
 from solver.graph import SCHEMA_VERSION, CostGraph, GraphBuilder, GraphError, NodeMode
+from solver.offload import OffloadOptions
 from solver.semantics import Evaluation, baseline_backward_flops, evaluate, recompute_flops
 from solver.solution import (
     Backend,
@@ -23,6 +24,7 @@ __all__ = [
     "GraphError",
     "InfeasibleBudgetError",
     "NodeMode",
+    "OffloadOptions",
     "ProgressCallback",
     "Solution",
     "SolveOptions",

@@ -13,14 +13,22 @@ import json
 import random
 from fractions import Fraction
 
+import jax
+import jax.numpy as jnp
 import pytest
+from jax._src import core as jax_core
 from pydantic import ValidationError
 
+from client import optimize
+from client.keys import policy_key
+from client.measure import saved_residuals
+from client.plan import PlanError
 from solver import GraphBuilder, InfeasibleBudgetError, NodeMode, SolveOptions, solve
 from solver.graph import CostGraph
 from solver.offload import DEFAULT_HOST_BANDWIDTH, OffloadOptions
 from solver.offload_solve import evaluate_offload
 from solver.semantics import baseline_backward_flops
+from tests.models import CORPUS
 
 CHEAP = OffloadOptions(host_bandwidth=10**18)  # a byte costs far less than a FLOP
 DEAR = OffloadOptions(host_bandwidth=1)  # a byte costs 4e14 FLOPs
@@ -170,3 +178,105 @@ def test_the_optimum_is_brute_forces(seed: int) -> None:
                             [d == "offload" for d in sol.node_decisions])
     assert (plan.device_bytes, plan.host_bytes) == (sol.residual_bytes, sol.offload.host_bytes)
     assert sol.residual_bytes <= budget and sol.offload.host_bytes <= options.host_budget_bytes
+
+
+# ---- against JAX -----------------------------------------------------------------
+
+
+def _subjaxprs(eqn: jax_core.JaxprEqn):
+    for param in eqn.params.values():
+        for p in param if isinstance(param, tuple | list) else (param,):
+            if isinstance(p, jax_core.ClosedJaxpr):
+                yield p.jaxpr
+            elif isinstance(p, jax_core.Jaxpr):
+                yield p
+
+
+def _copies_to(jaxpr: jax_core.Jaxpr,
+               space: jax_core.MemorySpace) -> list[jax_core.JaxprEqn | None]:
+    """Per ``device_put`` into ``space`` (at any depth), the equation that produced its
+    input (None for an input of the jaxpr: a copy back reads a residual)."""
+    producer = {out: eqn for eqn in jaxpr.eqns for out in eqn.outvars}
+    found = []
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name == "device_put" and eqn.params["devices"] == (space,):
+            found.extend(producer.get(v) for v in eqn.invars)
+        for sub in _subjaxprs(eqn):
+            found.extend(_copies_to(sub, space))
+    return found
+
+
+def _smallest_device_budget(fun, args, **options) -> int:
+    try:
+        optimize(fun, *args, budget=0, **options)
+    except InfeasibleBudgetError as err:
+        return err.min_budget_bytes
+    return 0
+
+
+# Models without cond: there a tied decision stands for several keys (its group).
+@pytest.mark.parametrize("name", ["mlp", "transformer_block", "scan_stack"])
+def test_the_policy_offloads_exactly_what_the_plan_offloads(name: str) -> None:
+    fun, args = CORPUS[name]
+    budget = _smallest_device_budget(fun, args, offload=CHEAP)
+    plan = optimize(fun, *args, budget=budget, offload=CHEAP)
+    assert plan.offloaded_keys and plan.host_bytes > 0
+
+    # The jaxpr JAX builds with the policy: one copy to host per offloaded value,
+    # produced by an equation whose key the plan offloads, and one copy back.
+    checkpointed = jax.checkpoint(fun, policy=plan.policy)
+    jaxpr = jax.make_jaxpr(lambda *a: jax.vjp(checkpointed, *a)[1](1.0))(*args).jaxpr
+    to_host = _copies_to(jaxpr, jax_core.MemorySpace.Host)
+    keys = {policy_key(e.primitive, [v.aval for v in e.invars], e.params)
+            for e in to_host if e is not None}
+    assert None not in to_host
+    assert keys == plan.offloaded_keys
+    offloaded_nodes = [d == "offload" for d in plan.solution.node_decisions]
+    ev = evaluate_offload(plan.graph, [d != "recompute" for d in plan.solution.node_decisions],
+                          offloaded_nodes)
+    producer = plan.graph.producer
+    host_values = [v for v in ev.evaluation.residuals
+                   if (p := producer[v]) is not None and offloaded_nodes[p]]
+    assert len(to_host) == len(host_values)
+    assert len(_copies_to(jaxpr, jax_core.MemorySpace.Device)) == len(host_values)
+
+    # saved_residuals: device residuals byte for byte, the rest in host memory.
+    residuals = saved_residuals(checkpointed, *args)
+    assert sum(r.bytes for r in residuals if not r.host) == plan.residual_bytes <= budget
+    assert sum(r.bytes for r in residuals if r.host) == plan.host_bytes
+    check = plan.verify(fun, *args, flops=True)
+    assert check.exact and check.measured_recompute_flops == plan.recompute_flops
+
+
+def test_dear_transfers_give_a_policy_that_never_offloads() -> None:
+    fun, args = CORPUS["mlp"]
+    budget = _smallest_device_budget(fun, args, offload=CHEAP)
+    plan = optimize(fun, *args, budget=budget, offload=DEAR)
+    assert not plan.offloaded_keys and plan.host_bytes == 0
+    jaxpr = jax.make_jaxpr(lambda *a: jax.vjp(plan.checkpoint(fun), *a)[1](1.0))(*args).jaxpr
+    assert _copies_to(jaxpr, jax_core.MemorySpace.Host) == []
+    assert plan.verify(fun, *args).exact
+
+
+def test_the_offloading_plan_runs_and_gives_the_same_gradient() -> None:
+    fun, args = CORPUS["mlp"]
+    budget = _smallest_device_budget(fun, args, offload=CHEAP)
+    plan = optimize(fun, *args, budget=budget, offload=CHEAP)
+    assert plan.offloaded_keys
+    got = jax.jit(jax.grad(plan.checkpoint(fun), argnums=(1, 2, 3)))(*args)
+    want = jax.grad(fun, argnums=(1, 2, 3))(*args)
+    for g, w in zip(got, want, strict=True):
+        assert jnp.allclose(g, w, rtol=1e-4, atol=1e-4)  # jit reorders float sums
+
+
+@pytest.mark.parametrize("name", ["mlp", "scan_stack"])
+def test_untied_offload_goes_through_the_names_form(name: str) -> None:
+    """``save_and_offload_only_these_names`` with the plan's names."""
+    fun, args = CORPUS[name]
+    budget = _smallest_device_budget(fun, args, tie=False, offload=CHEAP)
+    plan = optimize(fun, *args, budget=budget, tie=False, offload=CHEAP)
+    assert plan.names.offloaded and plan.names.host_bytes > 0
+    with pytest.raises(PlanError, match="tie=False"):
+        plan.policy  # noqa: B018
+    check = plan.verify(flops=True)
+    assert check.exact and check.measured_host_bytes == plan.names.host_bytes
