@@ -33,10 +33,11 @@ class SolveOptions(BaseModel):
     tie: bool = True  # one decision per policy key (what a stateless policy can express)
     time_limit_s: float = Field(default=60.0, gt=0)
     relative_gap: float = Field(default=0.0, ge=0, le=1)
-    # SCIP: 2.3x faster than CP-SAT on tied 1k-10k-node graphs, all proven optimal
-    # (bench/solver_backends.py). Untied at 10k nodes CP-SAT finds far better plans
-    # within the time limit: choose it there.
-    backend: Backend = Backend.SCIP
+    # CP-SAT: with repeated layers folded (solver.repeats) tied solves of 1k-10k-node
+    # graphs take under a second with either backend (CP-SAT fastest on 7 of 9), and
+    # untied, where nothing folds, CP-SAT's plans and bounds are far better: SCIP
+    # through pywraplp ends 10 s solves with no bound at all (bench/solver_backends.py).
+    backend: Backend = Backend.CPSAT
     # Options added after the first release are left out of the JSON at their
     # defaults: earlier requests keep their hash, earlier readers parse the JSON.
     # The direct formulation: no dominated choices fixed and an untied solve not

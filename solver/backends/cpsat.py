@@ -86,12 +86,17 @@ class CpSatBackend:
         solver = cp_model.CpSolver()
         params = solver.parameters
         params.num_workers = 1  # one worker: the same answer on every run and host
+        params.log_search_progress = False
+        # The hint is a complete plan that the objective cut-off already keeps as
+        # the answer to beat; repairing it first ("hint search") spent a third of
+        # a 10 s untied solve on the 96-layer stack for a 0.1% better start, and
+        # left a 6.6% gap where the plain search proves the optimum.
+        params.hint_conflict_limit = 0
         params.random_seed = SEED
         params.max_time_in_seconds = time_limit_s
         params.relative_gap_limit = relative_gap
         if work_limit is not None:
             params.max_deterministic_time = work_limit
-        params.log_search_progress = False
         # The LP over all constraints gives the bound that closes these models;
         # the default level leaves the clauses out of it.
         params.linearization_level = 2
