@@ -38,6 +38,7 @@ from solver.backends import Goal, MilpBackend, Objective, Outcome, RawResult, ma
 from solver.baselines import compare, greedy_saves
 from solver.formulation import Formulation, build
 from solver.graph import CostGraph
+from solver.repeats import Compressed, compress
 from solver.semantics import Evaluation, baseline_backward_flops, evaluate
 from solver.solution import (
     Backend,
@@ -81,7 +82,7 @@ def solve(
 
         return solve_offload(graph, budget_bytes, options, progress=progress, cancel=cancel,
                              started=started)
-    return _Search(graph, options, started, progress, cancel).solve(budget_bytes)
+    return _search(graph, options, started, progress, cancel).solve(budget_bytes)
 
 
 def solve_from(
@@ -95,13 +96,13 @@ def solve_from(
     """``solve`` that starts from a plan (per node save flags), e.g. a neighbouring
     budget's answer in a sweep: when it fits, the search is hinted with it and
     cut off at its FLOPs, so the answer is never worse than ``start``."""
-    return _Search(graph, options, time.monotonic(), None, cancel).solve(budget_bytes, start)
+    return _search(graph, options, time.monotonic(), None, cancel).solve(budget_bytes, start)
 
 
 def min_feasible_budget(graph: CostGraph, tie: bool = True) -> int:
     """The smallest residual bytes of any plan (tied by policy key when ``tie``)."""
     options = SolveOptions(tie=tie, backend=Backend.CPSAT)
-    return _Search(graph, options, time.monotonic(), None, None).min_budget()
+    return _search(graph, options, time.monotonic(), None, None).min_budget()
 
 
 def max_useful_budget(graph: CostGraph) -> int:
@@ -115,6 +116,22 @@ def resolve_options(options: SolveOptions | None, overrides: dict[str, Any]) -> 
     if not overrides:
         return base
     return SolveOptions.model_validate({**base.model_dump(), **overrides})
+
+
+def _search(
+    graph: CostGraph,
+    options: SolveOptions,
+    started: float,
+    progress: ProgressCallback | None,
+    cancel: threading.Event | None,
+) -> _Search | _FoldedSearch:
+    """The search for one request: on the folded graph when a tied plan's repeated
+    layers fold exactly (``solver.repeats``), else on the graph itself."""
+    if options.tie and not options.direct:
+        folded = compress(graph)
+        if folded is not None:
+            return _FoldedSearch(graph, folded, options, started, progress, cancel)
+    return _Search(graph, options, started, progress, cancel)
 
 
 @dataclass(frozen=True)
@@ -158,11 +175,12 @@ class _Search:
         starts = [self._start_plan(budget, start)]
         cancelled = self.cancel is not None and self.cancel.is_set()
         if not self.options.direct and budget < full and not cancelled:
-            # The greedy knapsack is a plan in well under a second: the search
-            # always has an incumbent, and a bad start costs nothing.
-            starts.append(self._start_plan(budget, greedy_saves(self.graph, budget)))
-            if not self.options.tie:
-                starts.append(self._start_plan(budget, self._tied_start(budget)))
+            # The greedy knapsack (over policy keys) is a plan in well under a
+            # second, so the search always has an incumbent. An untied search
+            # starts from the tied optimum instead, which is never worse.
+            tied = None if self.options.tie else self._tied_start(budget)
+            starts.append(self._start_plan(
+                budget, tied if tied is not None else greedy_saves(self.graph, budget)))
         plans = [p for p in starts if p is not None]
         start_plan = min(plans, key=lambda p: (p.recompute_flops, p.residual_bytes), default=None)
         if budget >= full:
@@ -207,7 +225,8 @@ class _Search:
             update={"tie": True, "time_limit_s": self.options.time_limit_s * TIED_SHARE}
         )
         try:
-            tied = _Search(self.graph, options, time.monotonic(), None, self.cancel).solve(budget)
+            tied = _search(self.graph, options, time.monotonic(), None, self.cancel)
+            tied = tied.solve(budget)
         except InfeasibleBudgetError:
             return None
         if not tied.node_decisions:
@@ -389,3 +408,45 @@ class _Search:
                        if self.options.compare_baselines else None),
             solve_seconds=time.monotonic() - self.started,
         )
+
+
+class _FoldedSearch:
+    """A tied search on the graph with its repeated layers folded into one.
+
+    The folded graph has the same optimum and bound (``solver.repeats``); its
+    answer is unfolded onto the full graph and evaluated there, and the two
+    evaluations must agree to the byte and FLOP.
+    """
+
+    def __init__(
+        self,
+        graph: CostGraph,
+        folded: Compressed,
+        options: SolveOptions,
+        started: float,
+        progress: ProgressCallback | None,
+        cancel: threading.Event | None,
+    ) -> None:
+        self.graph = graph
+        self.folded = folded
+        self.inner = _Search(folded.graph, options, started, progress, cancel)
+
+    def solve(self, budget: int, start: Sequence[bool] | None = None) -> Solution:
+        inner_start = None if start is None else self.folded.restrict(list(start))
+        answer = self.inner.solve(budget, inner_start)
+        update: dict[str, Any] = {"graph_hash": self.graph.content_hash}
+        if answer.node_decisions:
+            saves = self.folded.expand([d == "save" for d in answer.node_decisions])
+            evaluation = evaluate(self.graph, saves)
+            recompute = evaluation.backward_flops - baseline_backward_flops(self.graph)
+            assert (evaluation.residual_bytes, recompute) == (
+                answer.residual_bytes,
+                answer.recompute_flops,
+            ), "the folded graph priced the plan differently from the full graph"
+            update["node_decisions"] = ["save" if s else "recompute" for s in saves]
+            if answer.baselines is not None:
+                update["baselines"] = compare(self.graph, budget, recompute)
+        return answer.model_copy(update=update)
+
+    def min_budget(self) -> int:
+        return self.inner.min_budget()
