@@ -28,6 +28,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 FRACTIONS = (0.25, 0.5, 0.75)
+GAP = 0.001  # "optimal" in the issue: within 0.1% of the bound
 
 
 # ---- the model: a plain-JAX pre-LN transformer block, unrolled ------------------
@@ -95,19 +96,23 @@ def _fmt(row: dict) -> str:
 
 
 def stack_table(graph, time_limit: float) -> list[float]:
+    """Each cell solved to a 0.1% gap (the issue's "optimal"); returns the tied
+    solves' wall times, the unit the frontier is priced in."""
     from solver import max_useful_budget
 
     full = max_useful_budget(graph)
-    print(f"\n## {graph.num_nodes}-node stack, {time_limit:g} s per solve "
-          f"(save everything: {full} bytes)")
+    print(f"\n## {graph.num_nodes}-node stack, {time_limit:g} s per solve, relative gap "
+          f"{GAP:.1%} (save everything: {full} bytes)")
     print(f"{'budget':>6} {'tie':>6} | {'optiremat':^39} | {'direct formulation':^39}")
     seconds = []
     for fraction in FRACTIONS:
         for tie in (True, False):
             budget = int(full * fraction)
-            ours = _row(graph, budget, tie=tie, time_limit_s=time_limit)
-            direct = _row(graph, budget, tie=tie, direct=True, time_limit_s=time_limit)
-            seconds.append(ours["seconds"])
+            ours = _row(graph, budget, tie=tie, time_limit_s=time_limit, relative_gap=GAP)
+            direct = _row(graph, budget, tie=tie, direct=True, time_limit_s=time_limit,
+                          relative_gap=GAP)
+            if tie:
+                seconds.append(ours["seconds"])
             print(f"{fraction:>6.0%} {'tied' if tie else 'untied':>6} | {_fmt(ours)} | "
                   f"{_fmt(direct)}", flush=True)
     return seconds
@@ -124,9 +129,9 @@ def frontier_cost(graph, time_limit: float, single_seconds: float) -> None:
     took = time.monotonic() - started
     statuses = [getattr(r, "status", "infeasible") for r in results.values()]
     optimal = sum(1 for s in statuses if s == "optimal")
-    print(f"\n## 16-point frontier of the stack ({time_limit:g} s limit per point)")
+    print(f"\n## 16-point tied frontier of the stack ({time_limit:g} s limit per point)")
     print(f"{took:.1f} s in all = {took / single_seconds:.1f} single solves "
-          f"(mean single solve above: {single_seconds:.1f} s); {optimal}/16 optimal")
+          f"(mean tied single solve above: {single_seconds:.2f} s); {optimal}/16 optimal")
     for budget, r in results.items():
         flops = getattr(r, "recompute_flops", None)
         gap = getattr(r, "gap", None)
@@ -135,31 +140,33 @@ def frontier_cost(graph, time_limit: float, single_seconds: float) -> None:
               f"{'' if gap is None else f'{gap:.2%}':>8}")
 
 
-def _solve_100k(queue, layers: int, time_limit: float) -> None:
+def _solve_100k(queue, layers: int, time_limit: float, tie: bool) -> None:
     from solver import max_useful_budget, solve
     from solver.synthetic import transformer_like
 
     graph = transformer_like(layers)
     started = time.monotonic()
-    s = solve(graph, max_useful_budget(graph) // 2, time_limit_s=time_limit)
+    s = solve(graph, max_useful_budget(graph) // 2, time_limit_s=time_limit, tie=tie)
     queue.put(dict(nodes=graph.num_nodes, status=s.status.value, flops=s.recompute_flops,
                    gap=s.gap, seconds=time.monotonic() - started,
                    rss_gib=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20))
 
 
 def big_graph(time_limit: float) -> None:
+    """Each solve in a fresh process, so its peak RSS is its own."""
     layers = 100_000 // 45
     context = multiprocessing.get_context("spawn")
-    queue = context.Queue()
-    child = context.Process(target=_solve_100k, args=(queue, layers, time_limit))
-    child.start()
-    result = queue.get()
-    child.join()
-    print(f"\n## {result['nodes']}-node synthetic graph at 50%, {time_limit:g} s limit "
+    print(f"\n## {layers}-layer synthetic graph at 50%, {time_limit:g} s limit "
           "(graph building not timed)")
-    print(f"{result['status']}, recompute {result['flops']:.4e} FLOPs, gap {result['gap']:.2%}, "
-          f"solve {result['seconds']:.1f} s, peak RSS of the solving process "
-          f"{result['rss_gib']:.2f} GiB")
+    for tie in (True, False):
+        queue = context.Queue()
+        child = context.Process(target=_solve_100k, args=(queue, layers, time_limit, tie))
+        child.start()
+        r = queue.get()
+        child.join()
+        print(f"{r['nodes']} nodes {'tied' if tie else 'untied':>6}: {r['status']}, recompute "
+              f"{r['flops']:.4e} FLOPs, gap {r['gap']:.2%}, solve {r['seconds']:.1f} s, "
+              f"peak RSS of the solving process {r['rss_gib']:.2f} GiB", flush=True)
 
 
 def _fingerprint_run(args: tuple[str, int]) -> str:

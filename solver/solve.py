@@ -54,6 +54,7 @@ ProgressCallback = Callable[[int, int, float], None]
 MAX_TIGHTENINGS = 3  # re-solves of an over-budget floating-point plan before CP-SAT takes over
 PHASE2_WORK = 2.0  # phase 2's effort cap, relative to phase 1's
 TIED_SHARE = 0.25  # of an untied solve's time limit, spent first on the tied plan it starts from
+FINISH_SHARE = 0.05  # of the time limit, kept for evaluating and reporting the plan
 BOUND_EPSILON = 1e-6  # a float bound this close below an integer counts as that integer
 
 
@@ -159,7 +160,8 @@ class _Search:
         self.graph = graph
         self.options = options
         self.started = started
-        self.deadline = started + options.time_limit_s
+        # The backends stop early enough to leave time for pricing the answer.
+        self.deadline = started + options.time_limit_s * (1 - FINISH_SHARE)
         self.progress = progress
         self.cancel = cancel
         self.f: Formulation = build(graph, options.tie, reduce=not options.direct)
