@@ -17,7 +17,7 @@ from typing import Any, Protocol
 
 from solver.graph import CostGraph
 from solver.solution import InfeasibleBudgetError, Solution, SolveOptions, SolveStatus
-from solver.solve import solve_from
+from solver.solve import solve, solve_from
 
 
 class ParetoPoint(Protocol):
@@ -51,7 +51,10 @@ def solve_budgets(
     for budget in sorted(set(budgets)):
         result: SweepResult
         try:
-            result = solve_from(graph, budget, options, start, cancel=cancel)
+            if options.offload is not None:  # the offload model takes no start plan
+                result = solve(graph, budget, options, cancel=cancel)
+            else:
+                result = solve_from(graph, budget, options, start, cancel=cancel)
         except InfeasibleBudgetError as err:
             result = err
         else:

@@ -36,6 +36,8 @@ from solver.semantics import Evaluation, baseline_backward_flops, evaluate
 from solver.solution import InfeasibleBudgetError, Solution, SolveOptions, SolveStatus
 
 SEED = 0
+PHASE2_WORK = 2.0  # phase 2's deterministic effort, relative to phase 1's (as solver.solve)
+PHASE2_MIN_WORK = 2.0  # deterministic seconds
 INT64_SAFE = 2**62  # CP-SAT rejects linear expressions whose extremes may overflow int64
 
 # progress(incumbent, bound, elapsed_s), in FLOP-equivalents.
@@ -122,6 +124,7 @@ class _Model:
         host_coefs, self.host_scale = _gcd_scaled(host_coefs)
 
         self.model, self.x, self.off = m, x, off
+        self.variables = [*x, *off.values(), *host.values()]  # for hints
         self.device = cp_model.LinearExpr.weighted_sum(dev_vars, dev_coefs)
         self.host = cp_model.LinearExpr.weighted_sum(host_vars, host_coefs)
         self.objective = cp_model.LinearExpr.weighted_sum(obj_vars, obj_coefs)
@@ -147,8 +150,8 @@ class _OffloadSearch:
         self.baseline = baseline_backward_flops(graph)
         self.flops_offset = self.f.recompute_flops.offset
 
-    def _run(self, model: _Model, minimize: cp_model.LinearExpr,
-             report: bool) -> tuple[cp_model.CpSolver, Any]:
+    def _run(self, model: _Model, minimize: cp_model.LinearExpr, report: bool,
+             work_limit: float | None = None) -> tuple[cp_model.CpSolver, Any]:
         model.model.minimize(minimize)
         solver = cp_model.CpSolver()
         p = solver.parameters
@@ -157,6 +160,8 @@ class _OffloadSearch:
         p.max_time_in_seconds = max(1e-3, self.started + self.options.time_limit_s
                                     - time.monotonic())
         p.relative_gap_limit = self.options.relative_gap
+        if work_limit is not None:
+            p.max_deterministic_time = work_limit
         p.linearization_level = 2  # the LP over the clauses gives the bound (as backends.cpsat)
         p.symmetry_level = 0
         callback = None
@@ -198,11 +203,33 @@ class _OffloadSearch:
         if status not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
             return self._solution(budget, SolveStatus.TIMED_OUT, None, Fraction(0))
         plan = self._plan(solver, model)
+        if status == cp_model.OPTIMAL:
+            plan = self._leanest(model, solver, plan)
         cost = self.offload.cost_flops(self._recompute(plan), plan.host_bytes)
         bound = min(cost, self._cost(model, math.ceil(solver.best_objective_bound - 1e-6)))
         proven = status == cp_model.OPTIMAL or bound == cost
         status_ = SolveStatus.OPTIMAL if proven else SolveStatus.FEASIBLE
         return self._solution(budget, status_, plan, cost if proven else bound)
+
+    def _leanest(self, model: _Model, first: cp_model.CpSolver, plan: OffloadPlan) -> OffloadPlan:
+        """Phase 2, as in ``solver.solve``: of the cheapest plans, the fewest device bytes.
+
+        Bounded by deterministic work and used only when proven, so whether it
+        happened never depends on the machine's speed.
+        """
+        values = [first.boolean_value(v) for v in model.variables]
+        model.model.add(model.objective <= round(first.objective_value))
+        model.model.clear_hints()
+        for var, value in zip(model.variables, values, strict=True):
+            model.model.add_hint(var, value)
+        work = max(PHASE2_MIN_WORK, PHASE2_WORK * first.deterministic_time)
+        solver, status = self._run(model, model.device, report=False, work_limit=work)
+        if status != cp_model.OPTIMAL:
+            return plan
+        lean = self._plan(solver, model)
+        old = self.offload.cost_flops(self._recompute(plan), plan.host_bytes)
+        new = self.offload.cost_flops(self._recompute(lean), lean.host_bytes)
+        return lean if (new, lean.device_bytes) <= (old, plan.device_bytes) else plan
 
     def _recompute(self, plan: OffloadPlan) -> int:
         return plan.evaluation.backward_flops - self.baseline
