@@ -246,6 +246,10 @@ def _explain(args: argparse.Namespace) -> int:
     print(f"budget {format_bytes(sol.budget_bytes)}; residuals {format_bytes(sol.residual_bytes)} "
           f"in {len(evaluation.residuals)} values; {sol.recompute_flops:,} recompute FLOPs "
           f"over {len(recomputed)} equations (lower bound {sol.lower_bound_flops:,})")
+    host = sol.offload.host_bytes if sol.offload is not None else 0
+    if sol.offload is not None:
+        print(f"offloaded to host memory: {format_bytes(host)}; estimated "
+              f"{sol.offload.estimated_seconds * 1e3:.3f} ms of recompute and transfers")
 
     inputs = {graph.value_index[v] for v in graph.inputs}
     rows = []
@@ -256,13 +260,15 @@ def _explain(args: argparse.Namespace) -> int:
             rows.append((graph.value_bytes[v], "input", shape, None,
                          "argument" if v in inputs else ""))
         else:
-            rows.append((graph.value_bytes[v], graph.node_primitive[node], shape,
+            offloaded = sol.node_decisions[node] == "offload"
+            rows.append((graph.value_bytes[v],
+                         graph.node_primitive[node] + (" (host)" if offloaded else ""), shape,
                          graph.node_flops[node], graph.node_source[node]))
     rows.sort(key=lambda r: (-r[0], r[4], r[1]))
     shown = rows[:args.top] if args.top else rows
     print()
     print(f"{'bytes':>11} {'share':>6} {'FLOPs':>12}  {'op':<16} {'value':<22} source")
-    total = max(sol.residual_bytes, 1)
+    total = max(sol.residual_bytes + host, 1)
     for nbytes, op, shape, flops, source in shown:
         print(f"{format_bytes(nbytes):>11} {nbytes / total:>6.1%} "
               f"{'-' if flops is None else f'{flops:,}':>12}  {op:<16} {shape:<22} "

@@ -24,6 +24,7 @@ from client import optimize
 from client.keys import policy_key
 from client.measure import saved_residuals
 from client.plan import PlanError
+from client.planfile import PlanFile, load_plan
 from solver import GraphBuilder, InfeasibleBudgetError, NodeMode, Solution, SolveOptions, solve
 from solver.frontier import solve_budgets
 from solver.graph import CostGraph
@@ -326,3 +327,12 @@ def test_the_option_flows_through_the_service(server: Server) -> None:
     assert remote.fingerprint() == solve(g, 1000, remote.options).fingerprint()
     assert len(remote.offloaded_keys) == 3 and remote.offload.host_bytes == 3000
     assert bad.status_code == 422 and "host_bandwidth" in bad.text
+
+
+def test_a_plan_file_keeps_the_offloads(tmp_path) -> None:
+    fun, args = CORPUS["mlp"]
+    budget = _smallest_device_budget(fun, args, offload=CHEAP)
+    plan = optimize(fun, *args, budget=budget, offload=CHEAP)
+    loaded = load_plan(PlanFile.of(plan).write(tmp_path / "mlp.plan.json"))
+    assert loaded.policy() == plan.policy and loaded.offloaded_keys == plan.offloaded_keys
+    assert loaded.evaluation().residual_bytes == plan.residual_bytes + plan.host_bytes
