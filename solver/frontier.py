@@ -3,7 +3,8 @@
 ``client.frontier.sweep`` (local) and the service's ``POST /v1/frontier`` both
 space budgets with ``spaced_budgets``, build points with ``point_fields`` and
 mark them with ``mark_pareto``. ``solve_budgets`` is the sweep itself: budgets
-in increasing order, each solve started from the previous budget's plan. That
+in increasing order on one ``solver.solve.Sweep`` (one formulation and backend
+model for all of them), each solve started from the previous budget's plan. That
 plan fits every larger budget, so it is a hint and a FLOPs ceiling (an upper
 bound) for its neighbour: a search that would otherwise start from nothing
 starts from a plan that is usually optimal or nearly so.
@@ -17,7 +18,7 @@ from typing import Any, Protocol
 
 from solver.graph import CostGraph
 from solver.solution import InfeasibleBudgetError, Solution, SolveOptions, SolveStatus
-from solver.solve import solve, solve_from
+from solver.solve import Sweep, solve
 
 
 class ParetoPoint(Protocol):
@@ -48,13 +49,14 @@ def solve_budgets(
     """One solve per distinct budget, smallest first, each warm-started from the last plan."""
     results: dict[int, SweepResult] = {}
     start: list[bool] | None = None
+    sweep = None if options.offload is not None else Sweep(graph, options, cancel)
     for budget in sorted(set(budgets)):
         result: SweepResult
         try:
-            if options.offload is not None:  # the offload model takes no start plan
+            if sweep is None:  # the offload model takes no start plan
                 result = solve(graph, budget, options, cancel=cancel)
             else:
-                result = solve_from(graph, budget, options, start, cancel=cancel)
+                result = sweep.solve(budget, start)
         except InfeasibleBudgetError as err:
             result = err
         else:

@@ -100,6 +100,21 @@ def solve_from(
     return _search(graph, options, time.monotonic(), None, cancel).solve(budget_bytes, start)
 
 
+class Sweep:
+    """Solves of one graph at several budgets sharing one formulation and backend
+    model, as a frontier needs: each ``solve`` has the full time limit and, like
+    ``solve_from``, starts from the plan it is given."""
+
+    def __init__(
+        self, graph: CostGraph, options: SolveOptions, cancel: threading.Event | None = None
+    ) -> None:
+        self._search = _search(graph, options, time.monotonic(), None, cancel)
+
+    def solve(self, budget_bytes: int, start: Sequence[bool] | None = None) -> Solution:
+        self._search.restart_clock(time.monotonic())
+        return self._search.solve(budget_bytes, start)
+
+
 def min_feasible_budget(graph: CostGraph, tie: bool = True) -> int:
     """The smallest residual bytes of any plan (tied by policy key when ``tie``)."""
     options = SolveOptions(tie=tie, backend=Backend.CPSAT)
@@ -159,14 +174,18 @@ class _Search:
     ) -> None:
         self.graph = graph
         self.options = options
-        self.started = started
-        # The backends stop early enough to leave time for pricing the answer.
-        self.deadline = started + options.time_limit_s * (1 - FINISH_SHARE)
+        self.restart_clock(started)
         self.progress = progress
         self.cancel = cancel
         self.f: Formulation = build(graph, options.tie, reduce=not options.direct)
         self.baseline = baseline_backward_flops(graph)
         self._backends: dict[Backend, MilpBackend] = {}
+
+    def restart_clock(self, started: float) -> None:
+        """Time the next request from ``started`` (a sweep's next budget)."""
+        self.started = started
+        # The backends stop early enough to leave time for pricing the answer.
+        self.deadline = started + self.options.time_limit_s * (1 - FINISH_SHARE)
 
     # ---- the request ------------------------------------------------------
 
@@ -431,7 +450,11 @@ class _FoldedSearch:
     ) -> None:
         self.graph = graph
         self.folded = folded
+        self.baseline = baseline_backward_flops(graph)
         self.inner = _Search(folded.graph, options, started, progress, cancel)
+
+    def restart_clock(self, started: float) -> None:
+        self.inner.restart_clock(started)
 
     def solve(self, budget: int, start: Sequence[bool] | None = None) -> Solution:
         inner_start = None if start is None else self.folded.restrict(list(start))
@@ -440,7 +463,7 @@ class _FoldedSearch:
         if answer.node_decisions:
             saves = self.folded.expand([d == "save" for d in answer.node_decisions])
             evaluation = evaluate(self.graph, saves)
-            recompute = evaluation.backward_flops - baseline_backward_flops(self.graph)
+            recompute = evaluation.backward_flops - self.baseline
             assert (evaluation.residual_bytes, recompute) == (
                 answer.residual_bytes,
                 answer.recompute_flops,
