@@ -9,13 +9,20 @@ same Solution on every run and host whenever phase 1 finishes inside
 ``time_limit_s``; a search cut off by the wall clock or by ``cancel`` (status
 feasible) returns whatever it had at that moment.
 
-Phase 1 starts from the best of a few plans that fit the budget: the greedy
-knapsack (``solver.baselines``), for an untied solve the tied optimum found in
-``TIED_SHARE`` of the time limit, and a caller's plan (``solve_from``; a sweep
-passes the neighbouring budget's). The backend is hinted with it and cut off
-at its FLOPs, so a search stopped early still answers with at least that plan,
-and an untied answer is never worse than the tied one. ``direct=True`` skips
-the starts and the reductions: the reference model for tests and benchmarks.
+Phase 1 starts from the best of a few plans that fit the budget: a caller's
+plan (``solve_from``; a sweep passes the neighbouring budget's), for an untied
+solve the tied optimum found in ``TIED_SHARE`` of the time limit and the
+plans of the Lagrangian walk (``solver.lagrange``), else the greedy knapsack
+(``solver.baselines``). The backend is hinted with it and cut off at its
+FLOPs, so a search stopped early still answers with at least that plan, and an
+untied answer is never worse than the tied one. The walk's bound is valid for
+every untied plan: it stops the search at the first incumbent it proves within
+``relative_gap`` (or skips the search when it proves the start), and it is the
+reported bound when it beats the backend's. A model too big for the time left
+(``MILP_VARIABLES_PER_SECOND``) is not searched at all. ``direct=True`` skips
+the starts, the bound and the reductions: the reference model for tests and
+benchmarks. Tied solves of graphs with repeated layers run on the folded graph
+(``solver.repeats``).
 
 Every plan a backend proposes is re-evaluated with ``semantics.evaluate``;
 reported bytes and FLOPs are those exact integers, never a solver's floats. A
@@ -38,6 +45,7 @@ from solver.backends import Goal, MilpBackend, Objective, Outcome, RawResult, ma
 from solver.baselines import compare, greedy_saves
 from solver.formulation import Formulation, build
 from solver.graph import CostGraph
+from solver.lagrange import CutModel, bound_and_plans
 from solver.repeats import Compressed, compress
 from solver.semantics import Evaluation, baseline_backward_flops, evaluate
 from solver.solution import (
@@ -54,6 +62,11 @@ ProgressCallback = Callable[[int, int, float], None]
 MAX_TIGHTENINGS = 3  # re-solves of an over-budget floating-point plan before CP-SAT takes over
 PHASE2_WORK = 2.0  # phase 2's effort cap, relative to phase 1's
 TIED_SHARE = 0.25  # of an untied solve's time limit, spent first on the tied plan it starts from
+# CP-SAT's presolve alone took 54 s on the 347k-variable untied model of a
+# 100k-node graph (and ignored its time limit meanwhile); a 30k-variable model
+# solves in 10 s. Below this rate of variables per second left, no search is
+# tried and the answer is the best start with the cut's bound.
+MILP_VARIABLES_PER_SECOND = 5_000
 FINISH_SHARE = 0.05  # of the time limit, kept for evaluating and reporting the plan
 BOUND_EPSILON = 1e-6  # a float bound this close below an integer counts as that integer
 
@@ -180,6 +193,9 @@ class _Search:
         self.f: Formulation = build(graph, options.tie, reduce=not options.direct)
         self.baseline = baseline_backward_flops(graph)
         self._backends: dict[Backend, MilpBackend] = {}
+        self._cut_model: CutModel | None = None
+        self._cut_bound: int | None = None  # recompute FLOPs no plan within the budget beats
+        self._cut_proved = False  # the cut's bound proved a start before any search
 
     def restart_clock(self, started: float) -> None:
         """Time the next request from ``started`` (a sweep's next budget)."""
@@ -195,13 +211,17 @@ class _Search:
         full = max_useful_budget(self.graph)
         starts = [self._start_plan(budget, start)]
         cancelled = self.cancel is not None and self.cancel.is_set()
+        self._cut_bound, self._cut_proved = None, False
         if not self.options.direct and budget < full and not cancelled:
-            # The greedy knapsack (over policy keys) is a plan in well under a
-            # second, so the search always has an incumbent. An untied search
-            # starts from the tied optimum instead, which is never worse.
-            tied = None if self.options.tie else self._tied_start(budget)
-            starts.append(self._start_plan(
-                budget, tied if tied is not None else greedy_saves(self.graph, budget)))
+            # An untied search starts from the tied optimum and from the cut's
+            # plans, whose bound may prove one of them (``solver.lagrange``).
+            # Without any, the greedy knapsack (over policy keys) gives one in
+            # well under a second, so the search always has an incumbent.
+            if not self.options.tie:
+                starts.append(self._start_plan(budget, self._tied_start(budget)))
+                starts.append(self._cut_start(budget))
+            if all(p is None for p in starts):
+                starts.append(self._start_plan(budget, greedy_saves(self.graph, budget)))
         plans = [p for p in starts if p is not None]
         start_plan = min(plans, key=lambda p: (p.recompute_flops, p.residual_bytes), default=None)
         if budget >= full:
@@ -219,10 +239,14 @@ class _Search:
                     raise InfeasibleBudgetError(budget, min_budget)
         if plan is None:
             return self._solution(budget, kind, SolveStatus.TIMED_OUT, None, 0)
-        if first.outcome == Outcome.OPTIMAL:
+        if first.outcome == Outcome.OPTIMAL and not self._cut_proved:
+            # Phase 2 refines a search's answer; a plan the cut's bound proved
+            # before any search is answered as the cut found it.
             plan = self._leanest(kind, budget, plan, first.work)
-        lower_bound = min(self._flops_bound(first.bound), plan.recompute_flops)
-        proven = first.outcome == Outcome.OPTIMAL or lower_bound == plan.recompute_flops
+        lower_bound = min(max(self._flops_bound(first.bound), self._cut_bound or 0),
+                          plan.recompute_flops)
+        proven = (first.outcome == Outcome.OPTIMAL or lower_bound == plan.recompute_flops
+                  or self._good_enough(plan.recompute_flops))
         status = SolveStatus.OPTIMAL if proven else SolveStatus.FEASIBLE
         return self._solution(budget, kind, status, plan, lower_bound)
 
@@ -254,6 +278,40 @@ class _Search:
             return None
         return [d == "save" for d in tied.node_decisions]
 
+    def _cut_start(self, budget: int) -> _Plan | None:
+        """The cheapest plan the Lagrangian walk meets, and its bound kept for later."""
+        if self._cut_model is None:
+            self._cut_model = CutModel(self.graph)
+        found = bound_and_plans(self.graph, budget, self.deadline, self._cut_model)
+        self._cut_bound = found.backward_flops - self.baseline
+        return None if found.best is None else self._start_plan(budget, found.best.saves)
+
+    def _scaled_cut_bound(self) -> float:
+        """The cut's bound in the formulation's scaled FLOPs (0 without one)."""
+        if self._cut_bound is None:
+            return 0.0
+        flops = self.f.recompute_flops
+        return float(max(0, -(-(self._cut_bound - flops.offset) // flops.scale)))
+
+    def _search_fits(self) -> bool:
+        """Whether a MILP of this size can get anywhere in the time left."""
+        remaining = self.deadline - time.monotonic()
+        return len(self.f.var_names) <= MILP_VARIABLES_PER_SECOND * remaining
+
+    def _good_enough(self, recompute_flops: int) -> bool:
+        """The cut's bound proves these FLOPs within the requested relative gap."""
+        if self._cut_bound is None:
+            return False
+        gap = self.options.relative_gap
+        return recompute_flops - self._cut_bound <= gap * recompute_flops
+
+    def _stop_at(self) -> int | None:
+        """Scaled FLOPs at which a search may stop: the cut's bound proves them."""
+        if self._cut_bound is None or self.options.relative_gap >= 1:
+            return None
+        target = math.floor(self._cut_bound / (1 - self.options.relative_gap))
+        return self.f.recompute_flops.cap(target)
+
     def _start_plan(self, budget: int, start: Sequence[bool] | None) -> _Plan | None:
         if start is None:
             return None
@@ -271,6 +329,15 @@ class _Search:
         With a ``start`` plan within budget the search is hinted with it and cut
         off at its FLOPs; if the search finds nothing better, ``start`` is the answer.
         """
+        if start is not None and self._good_enough(start.recompute_flops):
+            self._cut_proved = True
+            proven = RawResult(Outcome.OPTIMAL, start.decisions, self._scaled_cut_bound())
+            return kind, proven, start
+        if not self._search_fits():
+            # No time for a search this size: answer with the start, bounded by the cut.
+            outcome = Outcome.FEASIBLE if start is not None else Outcome.NO_SOLUTION
+            bound = self._scaled_cut_bound()
+            return kind, RawResult(outcome, start and start.decisions, bound), start
         if start is not None and self.progress is not None:
             # The start is an incumbent already: report it, since SCIP (through
             # pywraplp) reports nothing more until it finishes.
@@ -298,7 +365,7 @@ class _Search:
                 raw = RawResult(Outcome.INFEASIBLE, None, 0.0)
             else:
                 goal = Goal(Objective.FLOPS, bytes_cap=cap, flops_cap=flops_cap)
-                raw = self._run(kind, goal, report=True)
+                raw = self._run(kind, goal, report=True, stop_at=self._stop_at())
             if raw.decisions is None:
                 if raw.outcome == Outcome.INFEASIBLE and (attempt > 0 or start is not None):
                     break  # infeasible only because we tightened or cut off at the start
@@ -354,6 +421,7 @@ class _Search:
         *,
         report: bool = False,
         work_limit: float | None = None,
+        stop_at: int | None = None,
     ) -> RawResult:
         remaining = self.deadline - time.monotonic()
         if remaining <= 0 or (self.cancel is not None and self.cancel.is_set()):
@@ -366,12 +434,13 @@ class _Search:
             work_limit=work_limit,
             on_incumbent=on_incumbent,
             cancel=self.cancel,
+            stop_at=stop_at,
         )
 
     def _report(self, objective: float, bound: float) -> None:
         assert self.progress is not None
         incumbent = self.f.recompute_flops.raw(round(objective))
-        lower = min(incumbent, self._flops_bound(bound))
+        lower = min(incumbent, max(self._flops_bound(bound), self._cut_bound or 0))
         self.progress(incumbent, lower, time.monotonic() - self.started)
 
     def _flops_bound(self, bound: float) -> int:

@@ -57,7 +57,10 @@ class RawResult:
 class MilpBackend(Protocol):
     """``work_limit`` caps deterministic effort (CP-SAT: deterministic seconds,
     SCIP: branch-and-bound nodes), so where a bounded search stops does not
-    depend on the machine; ``min_work`` is the least worth asking for."""
+    depend on the machine; ``min_work`` is the least worth asking for.
+    ``stop_at`` ends the search at the first solution whose objective is at most
+    it (a bound proven elsewhere already makes that solution good enough); a
+    backend without incumbent callbacks may ignore it."""
 
     name: str
     min_work: float
@@ -71,6 +74,7 @@ class MilpBackend(Protocol):
         work_limit: float | None = None,
         on_incumbent: IncumbentCallback | None = None,
         cancel: threading.Event | None = None,
+        stop_at: int | None = None,
     ) -> RawResult: ...
 
     def hint(self, values: list[int]) -> None:

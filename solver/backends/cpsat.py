@@ -20,12 +20,16 @@ SEED = 0
 
 
 class _Incumbents(cp_model.CpSolverSolutionCallback):
-    def __init__(self, report: IncumbentCallback) -> None:
+    def __init__(self, report: IncumbentCallback | None, stop_at: int | None) -> None:
         super().__init__()
         self._report = report
+        self._stop_at = stop_at
 
     def on_solution_callback(self) -> None:
-        self._report(self.objective_value, self.best_objective_bound)
+        if self._report is not None:
+            self._report(self.objective_value, self.best_objective_bound)
+        if self._stop_at is not None and self.objective_value <= self._stop_at:
+            self.stop_search()
 
 
 class CpSatBackend:
@@ -70,6 +74,7 @@ class CpSatBackend:
         work_limit: float | None = None,
         on_incumbent: IncumbentCallback | None = None,
         cancel: threading.Event | None = None,
+        stop_at: int | None = None,
     ) -> RawResult:
         model = self._model
         for which, cap in ((Objective.BYTES, goal.bytes_cap), (Objective.FLOPS, goal.flops_cap)):
@@ -104,7 +109,8 @@ class CpSatBackend:
         # deterministic time with and without), and on a 10k-node tied graph its
         # presolve ran a minute past max_time_in_seconds.
         params.symmetry_level = 0
-        callback = _Incumbents(on_incumbent) if on_incumbent is not None else None
+        wanted = on_incumbent is not None or stop_at is not None
+        callback = _Incumbents(on_incumbent, stop_at) if wanted else None
         with stop_when_set(cancel, solver.stop_search):
             status = solver.solve(model, callback)
 

@@ -85,6 +85,7 @@ class ScipBackend:
         work_limit: float | None = None,
         on_incumbent: IncumbentCallback | None = None,  # pywraplp reports no incumbents
         cancel: threading.Event | None = None,
+        stop_at: int | None = None,  # no incumbent callback to stop from
     ) -> RawResult:
         solver, x = self._solver, self._x
         inf = solver.infinity()
