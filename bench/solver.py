@@ -3,12 +3,14 @@
 * a 96-layer transformer stack (a plain-JAX block below, unrolled, extracted
   with ``client.extract_graph``: about 9,600 nodes) at 25/50/75% of the
   save-everything bytes, tied and untied, next to the direct formulation
-  (``direct=True``: no reductions, no start plans) after the same time;
+  (``direct=True``: no reductions, folding, starts or cut bound) after the same time;
 * a 100,000-node synthetic graph (``solver.synthetic.transformer_like``) solved
   in a child process: its plan, gap, wall time and peak RSS;
 * a 16-point frontier of the 96-layer stack (``solver.frontier.solve_budgets``)
-  and its cost in single-solve units (its wall time over the mean single solve);
+  and its cost in single-solve units (its wall time over the mean of the same
+  budgets solved one by one), tied and untied;
 * ten runs of one request on a pool of worker processes: identical JSON;
+* offload against recompute at five host link speeds (``bench/offload.py``);
 * the baselines (``solver.baselines``) against the plan for each bench model.
 
 Run: ``.venv/bin/python bench/solver.py [--time-limit S] [--layers N] [--parts ...]``.
@@ -95,49 +97,55 @@ def _fmt(row: dict) -> str:
     return f"{row['status']:>9} {flops:>12} {gap:>8} {row['seconds']:>7.1f}s"
 
 
-def stack_table(graph, time_limit: float) -> list[float]:
-    """Each cell solved to a 0.1% gap (the issue's "optimal"); returns the tied
-    solves' wall times, the unit the frontier is priced in."""
+def stack_table(graph, time_limit: float) -> None:
+    """Each cell solved to a 0.1% gap (the issue's "optimal")."""
     from solver import max_useful_budget
 
     full = max_useful_budget(graph)
     print(f"\n## {graph.num_nodes}-node stack, {time_limit:g} s per solve, relative gap "
           f"{GAP:.1%} (save everything: {full} bytes)")
     print(f"{'budget':>6} {'tie':>6} | {'optiremat':^39} | {'direct formulation':^39}")
-    seconds = []
     for fraction in FRACTIONS:
         for tie in (True, False):
             budget = int(full * fraction)
             ours = _row(graph, budget, tie=tie, time_limit_s=time_limit, relative_gap=GAP)
             direct = _row(graph, budget, tie=tie, direct=True, time_limit_s=time_limit,
                           relative_gap=GAP)
-            if tie:
-                seconds.append(ours["seconds"])
             print(f"{fraction:>6.0%} {'tied' if tie else 'untied':>6} | {_fmt(ours)} | "
                   f"{_fmt(direct)}", flush=True)
-    return seconds
 
 
-def frontier_cost(graph, time_limit: float, single_seconds: float) -> None:
-    from solver import SolveOptions, max_useful_budget, min_feasible_budget
+def frontier_cost(graph, time_limit: float) -> None:
+    """A 16-point sweep against the same 16 budgets solved one by one, tied and
+    untied: the sweep's cost in single-solve units is its wall time over the
+    mean of those single solves."""
+    from solver import SolveOptions, max_useful_budget, min_feasible_budget, solve
     from solver.frontier import solve_budgets, spaced_budgets
 
     low, high = min_feasible_budget(graph), max_useful_budget(graph)
     budgets = spaced_budgets(low, high, 16)
-    started = time.monotonic()
-    results = solve_budgets(graph, budgets, SolveOptions(time_limit_s=time_limit))
-    took = time.monotonic() - started
-    statuses = [getattr(r, "status", "infeasible") for r in results.values()]
-    optimal = sum(1 for s in statuses if s == "optimal")
-    print(f"\n## 16-point tied frontier of the stack ({time_limit:g} s limit per point)")
-    print(f"{took:.1f} s in all = {took / single_seconds:.1f} single solves "
-          f"(mean tied single solve above: {single_seconds:.2f} s); {optimal}/16 optimal")
-    for budget, r in results.items():
-        flops = getattr(r, "recompute_flops", None)
-        gap = getattr(r, "gap", None)
-        print(f"  {budget:>12} {getattr(r, 'status', 'infeasible'):>10} "
-              f"{'' if flops is None else f'{flops:.4e}':>12} "
-              f"{'' if gap is None else f'{gap:.2%}':>8}")
+    for tie in (True, False):
+        options = SolveOptions(time_limit_s=time_limit, relative_gap=GAP, tie=tie)
+        started = time.monotonic()
+        results = solve_budgets(graph, budgets, options)
+        took = time.monotonic() - started
+        singles = []
+        for budget in budgets:
+            started = time.monotonic()
+            solve(graph, budget, options)
+            singles.append(time.monotonic() - started)
+        single = sum(singles) / len(singles)
+        optimal = sum(1 for r in results.values() if getattr(r, "status", "") == "optimal")
+        print(f"\n## 16-point {'tied' if tie else 'untied'} frontier of the stack "
+              f"({time_limit:g} s limit, {GAP:.1%} gap per point)")
+        print(f"sweep {took:.1f} s = {took / single:.1f} single solves (16 single solves: "
+              f"{sum(singles):.1f} s, mean {single:.2f} s); {optimal}/16 optimal")
+        for budget, r in results.items():
+            flops = getattr(r, "recompute_flops", None)
+            gap = getattr(r, "gap", None)
+            print(f"  {budget:>12} {getattr(r, 'status', 'infeasible'):>10} "
+                  f"{'' if flops is None else f'{flops:.4e}':>12} "
+                  f"{'' if gap is None else f'{gap:.2%}':>8}", flush=True)
 
 
 def _solve_100k(queue, layers: int, time_limit: float, tie: bool) -> None:
@@ -207,7 +215,7 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--time-limit", type=float, default=10.0)
     parser.add_argument("--layers", type=int, default=96)
-    parts = ["stack", "frontier", "100k", "determinism", "baselines"]
+    parts = ["stack", "frontier", "100k", "determinism", "offload", "baselines"]
     parser.add_argument("--parts", nargs="*", choices=parts, default=parts)
     parser.add_argument("--workers", type=int, default=4)
     args = parser.parse_args(argv)
@@ -223,16 +231,18 @@ def main(argv: list[str] | None = None) -> None:
     stack = extract_graph(fun, *fargs)
     print(f"extracted {args.layers} layers: {stack.num_nodes} nodes in "
           f"{time.monotonic() - started:.1f} s")
-    single = args.time_limit
     if "stack" in args.parts:
-        seconds = stack_table(stack, args.time_limit)
-        single = sum(seconds) / len(seconds)
+        stack_table(stack, args.time_limit)
     if "frontier" in args.parts:
-        frontier_cost(stack, args.time_limit, single)
+        frontier_cost(stack, args.time_limit)
     if "100k" in args.parts:
         big_graph(60.0)
     if "determinism" in args.parts:
         determinism(args.workers)
+    if "offload" in args.parts:
+        from bench.offload import offload_table
+
+        offload_table()
     if "baselines" in args.parts:
         baselines_table(f"{args.layers}-layer stack", stack)
         baselines_table("transformer_like(24)", transformer_like(24))
