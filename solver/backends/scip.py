@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import math
 import threading
+import time
 
 from ortools.linear_solver import pywraplp
 
@@ -87,6 +88,7 @@ class ScipBackend:
         cancel: threading.Event | None = None,
         stop_at: int | None = None,  # no incumbent callback to stop from
     ) -> RawResult:
+        called = time.monotonic()
         solver, x = self._solver, self._x
         inf = solver.infinity()
         for which, cap in ((Objective.BYTES, goal.bytes_cap), (Objective.FLOPS, goal.flops_cap)):
@@ -99,7 +101,8 @@ class ScipBackend:
         if self._last is not None:
             solver.SetHint(x, self._last)
 
-        solver.SetTimeLimit(max(1, int(time_limit_s * 1000)))
+        left = time_limit_s - (time.monotonic() - called)  # the limit covers the setup
+        solver.SetTimeLimit(max(1, int(left * 1000)))
         nodes = -1 if work_limit is None else max(1, int(work_limit))
         solver.SetSolverSpecificParametersAsString(
             f"{SCIP_SETTINGS}\nlimits/totalnodes = {nodes}"
