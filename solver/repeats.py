@@ -31,9 +31,13 @@ in a copy has a policy key (a keyless node decides per node even when tied).
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TypeVar, cast
 
 from solver.graph import CostGraph, NodeMode
+
+T = TypeVar("T")
 
 RECENT_FOLDS = 4  # graphs whose fold is kept for the next request
 MIN_COPIES = 3  # with two, the folded graph keeps both
@@ -70,17 +74,17 @@ class Compressed:
         """Per node saves of the full graph, on the compressed one."""
         return [saves[n] for n in self.kept]
 
-    def expand(self, saves: list[bool]) -> list[bool]:
-        """Per node saves of the compressed graph, on the full one: a dropped copy
-        decides as the representative (the first copy) does."""
+    def expand(self, decisions: Sequence[T]) -> list[T]:
+        """Per node decisions of the compressed graph, on the full one: a dropped
+        copy decides as the representative (the first copy) does."""
         r = self.repeats
-        full: list[bool | None] = [None] * (len(self.kept) + (r.copies - 2) * r.period)
-        for n, s in zip(self.kept, saves, strict=True):
-            full[n] = s
-        for n, s in enumerate(full):
-            if s is None:
+        full: list[T | None] = [None] * (len(self.kept) + (r.copies - 2) * r.period)
+        for n, d in zip(self.kept, decisions, strict=True):
+            full[n] = d
+        for n, d in enumerate(full):
+            if d is None:
                 full[n] = full[r.start + (n - r.start) % r.period]
-        return [bool(s) for s in full]
+        return cast(list[T], full)
 
 
 def compress(graph: CostGraph) -> Compressed | None:

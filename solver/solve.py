@@ -92,11 +92,44 @@ def solve(
     if isinstance(budget_bytes, bool) or not isinstance(budget_bytes, int) or budget_bytes < 0:
         raise ValueError(f"budget_bytes must be a non-negative integer, got {budget_bytes!r}")
     if options.offload is not None:  # a third choice: its own CP-SAT model (solver.offload_solve)
-        from solver.offload_solve import solve_offload
-
-        return solve_offload(graph, budget_bytes, options, progress=progress, cancel=cancel,
-                             started=started)
+        return _solve_offload(graph, budget_bytes, options, started, progress, cancel)
     return _search(graph, options, started, progress, cancel).solve(budget_bytes)
+
+
+def _solve_offload(
+    graph: CostGraph,
+    budget: int,
+    options: SolveOptions,
+    started: float,
+    progress: ProgressCallback | None,
+    cancel: threading.Event | None,
+) -> Solution:
+    """The offload solve, on the folded graph when a tied plan's layers fold.
+
+    Offloading moves a residual, it never changes what is needed, so the
+    folding argument (``solver.repeats``) holds for save/offload/recompute
+    decisions tied by key as it does for save/recompute.
+    """
+    from solver.offload_solve import evaluate_offload, solve_offload
+
+    folded = compress(graph) if options.tie and not options.direct else None
+    if folded is None:
+        return solve_offload(graph, budget, options, progress=progress, cancel=cancel,
+                             started=started)
+    answer = solve_offload(folded.graph, budget, options, progress=progress, cancel=cancel,
+                           started=started)
+    update: dict[str, Any] = {"graph_hash": graph.content_hash}
+    if answer.node_decisions:
+        decisions = folded.expand(answer.node_decisions)
+        plan = evaluate_offload(graph, [d != "recompute" for d in decisions],
+                                [d == "offload" for d in decisions])
+        recompute = plan.evaluation.backward_flops - baseline_backward_flops(graph)
+        host = answer.offload.host_bytes if answer.offload else 0
+        assert (plan.device_bytes, plan.host_bytes, recompute) == (
+            answer.residual_bytes, host, answer.recompute_flops,
+        ), "the folded graph priced the offload plan differently from the full graph"
+        update["node_decisions"] = decisions
+    return answer.model_copy(update=update)
 
 
 def solve_from(

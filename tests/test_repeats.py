@@ -194,3 +194,20 @@ def _copies_of_two(g: CostGraph):
     from solver.repeats import Repeats
 
     return Repeats(0, 2, g.num_nodes // 2)
+
+
+@pytest.mark.parametrize("bandwidth", [10**13, 10**9], ids=["cheap link", "dear link"])
+def test_offload_solves_fold_too_and_keep_the_optimum(bandwidth: int) -> None:
+    from solver.offload import OffloadOptions
+
+    g = transformer_like(6)
+    assert compress(g) is not None
+    budget = max_useful_budget(g) // 4
+    options = dict(offload=OffloadOptions(host_bandwidth=bandwidth), time_limit_s=60)
+    folded, direct = solve(g, budget, **options), solve(g, budget, direct=True, **options)
+    assert folded.status == direct.status == "optimal"
+    assert folded.offload is not None and direct.offload is not None
+    assert folded.offload.estimated_seconds == direct.offload.estimated_seconds
+    assert len(folded.node_decisions) == g.num_nodes
+    assert folded.residual_bytes <= budget
+    assert ("offload" in folded.node_decisions) == (bandwidth == 10**13)
