@@ -20,7 +20,8 @@ Capacities are rounded down to integers, which only lowers every plan's
 price: the bound stays valid. ``bound_and_plans`` walks ``lam`` along the
 lower convex hull of the (bytes, FLOPs) frontier to the edge over the budget,
 so its bound is the LP bound of the covering formulation, at a few cuts' cost.
-The plans it meets are starts for the MILP.
+The plans it meets, and mixes of the two that straddle the budget, are starts
+for the MILP.
 """
 
 from __future__ import annotations
@@ -191,4 +192,60 @@ def bound_and_plans(graph: CostGraph, budget: int, deadline: float | None = None
             low = point
         else:
             high = point
+    for point in _mixes(graph, low, high, budget, deadline):
+        fits.append(point)
     return result()
+
+
+def _mixes(graph: CostGraph, low: Point, high: Point, budget: int,
+           deadline: float | None) -> list[Point]:
+    """Plans between the hull's two ends: ``high`` with a prefix of the pieces in
+    which ``low`` differs switched to ``low``'s choice.
+
+    Hull points are sparse: on a stack of identical layers, neighbouring ones
+    differ in the same change made in every layer. Switching the changes piece
+    by piece (pieces: the differing nodes, connected through the graph's edges,
+    in program order) walks from one to the other in small steps; a binary
+    search finds the longest prefix that fits, every candidate priced exactly.
+    """
+    differ = [n for n in range(graph.num_nodes) if low.saves[n] != high.saves[n]]
+    if not differ:
+        return []
+    parent = {n: n for n in differ}
+
+    def root(n: int) -> int:
+        while parent[n] != n:
+            parent[n] = parent[parent[n]]
+            n = parent[n]
+        return n
+
+    producer = graph.producer
+    for n in differ:
+        for v in graph.node_inputs[n]:
+            p = producer[v]
+            if p is not None and p in parent:
+                parent[root(n)] = root(p)
+    pieces: dict[int, list[int]] = {}
+    for n in differ:
+        pieces.setdefault(root(n), []).append(n)
+    order = sorted(pieces.values(), key=lambda nodes: nodes[0])
+
+    def mixed(count: int) -> Point:
+        saves = list(high.saves)
+        for nodes in order[:count]:
+            for n in nodes:
+                saves[n] = low.saves[n]
+        ev = evaluate(graph, saves)
+        return Point(tuple(saves), ev.backward_flops, ev.residual_bytes)
+
+    found: list[Point] = []
+    lo, hi = 0, len(order)  # the prefix of length lo fits (it is ``high``)
+    while hi - lo > 1 and (deadline is None or time.monotonic() < deadline):
+        mid = (lo + hi) // 2
+        point = mixed(mid)
+        if point.residual_bytes <= budget:
+            found.append(point)
+            lo = mid
+        else:
+            hi = mid
+    return found
