@@ -23,9 +23,10 @@ node (policy key, primitive, FLOPs, mode, output bytes, backward reads, and
 where every input comes from), each reads exactly one value from before it
 (for ``C_2 .. C_K``, the same value of the copy before) and nothing of any
 other copy or of the prefix, values of ``C_1 .. C_{K-1}`` are read only by
-their own copy and the next, graph inputs read by a copy are its own or read
-by the backward pass anyway, no loop carry touches a copy, and every free node
-in a copy has a policy key (a keyless node decides per node even when tied).
+their own copy and the next, a graph input a copy reads is its own (read by
+nothing outside it) or read by the backward pass anyway, no loop carry touches
+a copy, and every free node in a copy has a policy key (a keyless node decides
+per node even when tied).
 """
 
 from __future__ import annotations
@@ -188,17 +189,33 @@ def find_repeats(graph: CostGraph) -> Repeats | None:
     return None
 
 
+def _input_readers(graph: CostGraph, r: Repeats) -> dict[int, set[int | None]]:
+    """Graph input -> the copies reading it (None: a node outside the copies).
+
+    An input read by exactly one copy is that copy's own; any other input is
+    shared, and folding keeps it as it is.
+    """
+    readers: dict[int, set[int | None]] = {}
+    for n in range(graph.num_nodes):
+        for v in graph.node_inputs[n]:
+            if graph.producer[v] is None:
+                readers.setdefault(v, set()).add(r.copy_of(n))
+    return readers
+
+
+def _own_input(readers: dict[int, set[int | None]], v: int) -> int | None:
+    """The copy an input belongs to, or None when it is shared or read by no copy."""
+    copies = readers.get(v, set())
+    return next(iter(copies)) if len(copies) == 1 else None
+
+
 def why_not_folded(graph: CostGraph, r: Repeats) -> str | None:
     """Why the copies do not fold exactly (see the module docstring), or None."""
     producer, ins, outs = graph.producer, graph.node_inputs, graph.node_outputs
     carried = {graph.value_index[v] for v in (*graph.carry_in, *graph.carry_out)}
     reads = set(graph.backward_reads)
     end = r.start + r.copies * r.period
-    readers: dict[int, set[int]] = {}  # graph input -> copies reading it
-    for n in range(r.start, end):
-        for v in ins[n]:
-            if producer[v] is None:
-                readers.setdefault(v, set()).add((n - r.start) // r.period)
+    readers = _input_readers(graph, r)
     crossing: dict[int, set[int]] = {}  # copy -> the values from before it that it reads
     entry: set[tuple[int, int]] = set()  # where in the copy before, for copies 2 .. K
     shape: list[tuple] = []  # the first copy's input descriptors, per offset
@@ -212,9 +229,9 @@ def why_not_folded(graph: CostGraph, r: Repeats) -> str | None:
         for v in ins[n]:
             p = producer[v]
             if p is None:
-                shared = len(readers[v]) > 1
                 read = graph.value_id[v] in reads
-                described.append(("shared", v) if shared else ("own", graph.value_bytes[v], read))
+                described.append(("own", graph.value_bytes[v], read)
+                                 if _own_input(readers, v) is not None else ("shared", v))
                 continue
             source = r.copy_of(p)
             if source == i:
@@ -231,11 +248,13 @@ def why_not_folded(graph: CostGraph, r: Repeats) -> str | None:
             shape.append(tuple(described))
         elif shape[j] != tuple(described):
             return f"node {graph.node_id[n]} in copy {i} is wired unlike its twin in copy 0"
-    # A graph input shared by copies is needed if any copy needs it, unless the
+    # A shared graph input is needed if any of its readers needs it, unless the
     # backward pass reads it anyway: then it is needed whatever the copies do.
     for v, copies in readers.items():
-        if len(copies) > 1 and graph.value_id[v] not in reads:
-            return f"graph input {graph.value_id[v]} is read by copies {sorted(copies)}"
+        inside = copies - {None}
+        if inside and len(copies) > 1 and graph.value_id[v] not in reads:
+            where = " and outside them" if None in copies else ""
+            return f"graph input {graph.value_id[v]} is read by copies {sorted(inside)}{where}"
     # One bit crossing per copy (or none: the copies do not interact at all).
     counts = {len(crossing.get(i, ())) for i in range(r.copies)}
     if counts not in ({0}, {1}):
@@ -249,12 +268,6 @@ def why_not_folded(graph: CostGraph, r: Repeats) -> str | None:
             source = None if p is None else r.copy_of(p)
             if source is not None and source != r.copies - 1:
                 return f"node {graph.node_id[n]} after the copies reads copy {source}"
-            if p is None and v in readers and graph.value_id[v] not in reads:
-                return f"graph input {graph.value_id[v]} is read inside and outside the copies"
-    for n in range(r.start):
-        for v in ins[n]:
-            if producer[v] is None and v in readers and graph.value_id[v] not in reads:
-                return f"graph input {graph.value_id[v]} is read inside and outside the copies"
     return None
 
 
@@ -265,12 +278,8 @@ def _fold(graph: CostGraph, r: Repeats) -> tuple[CostGraph, tuple[int, ...]]:
     """Copies 1 .. K-2 dropped, copy 0 scaled by ``K - 1``, copy K-1 reading copy 0."""
     k = r.multiplicity
 
-    def dropped(n: int) -> bool:
-        i = r.copy_of(n)
-        return i is not None and 1 <= i <= r.copies - 2
-
-    def scaled(n: int) -> bool:
-        return r.copy_of(n) == 0
+    def dropped(copy: int | None) -> bool:
+        return copy is not None and 1 <= copy <= r.copies - 2
 
     producer = graph.producer
     # The last copy reads the crossing value of the copy before it; the
@@ -284,24 +293,17 @@ def _fold(graph: CostGraph, r: Repeats) -> tuple[CostGraph, tuple[int, ...]]:
                 q = p - (r.copies - 2) * r.period
                 rewire[v] = graph.node_outputs[q][graph.node_outputs[p].index(v)]
 
-    keep_nodes = [n for n in range(graph.num_nodes) if not dropped(n)]
-    # A graph input read by one copy only belongs to it; a shared one stays as it is.
-    input_readers: dict[int, set[int | None]] = {}
-    first_reader: dict[int, int] = {}
-    for n in range(graph.num_nodes):
-        for v in graph.node_inputs[n]:
-            if producer[v] is None:
-                input_readers.setdefault(v, set()).add(r.copy_of(n))
-                first_reader.setdefault(v, n)
+    keep_nodes = [n for n in range(graph.num_nodes) if not dropped(r.copy_of(n))]
+    # A value belongs to its producer's copy, a graph input to the one copy reading it.
+    readers = _input_readers(graph, r)
     keep_value = [True] * graph.num_values
     value_scale = [1] * graph.num_values
     for v in range(graph.num_values):
-        owner = producer[v]
-        if owner is None and len(input_readers.get(v, ())) == 1:
-            owner = first_reader[v]
-        if owner is not None and dropped(owner):
+        p = producer[v]
+        copy = r.copy_of(p) if p is not None else _own_input(readers, v)
+        if dropped(copy):
             keep_value[v] = False
-        elif owner is not None and scaled(owner):
+        elif copy == 0:
             value_scale[v] = k
     kept_values = [v for v in range(graph.num_values) if keep_value[v]]
 
@@ -322,7 +324,7 @@ def _fold(graph: CostGraph, r: Repeats) -> tuple[CostGraph, tuple[int, ...]]:
         node_id=[graph.node_id[n] for n in keep_nodes],
         node_primitive=[graph.node_primitive[n] for n in keep_nodes],
         node_key=[graph.node_key[n] for n in keep_nodes],
-        node_flops=[graph.node_flops[n] * (k if scaled(n) else 1) for n in keep_nodes],
+        node_flops=[graph.node_flops[n] * (k if r.copy_of(n) == 0 else 1) for n in keep_nodes],
         node_mode=[graph.node_mode[n] for n in keep_nodes],
         node_repeat=[graph.node_repeat[n] for n in keep_nodes],
         node_source=[graph.node_source[n] for n in keep_nodes],

@@ -23,7 +23,7 @@ from solver import (
     min_feasible_budget,
     solve,
 )
-from solver.repeats import compress, find_repeats, why_not_folded
+from solver.repeats import Repeats, compress, find_repeats, why_not_folded
 from solver.semantics import baseline_backward_flops, evaluate
 from solver.synthetic import transformer_like
 
@@ -211,3 +211,30 @@ def test_offload_solves_fold_too_and_keep_the_optimum(bandwidth: int) -> None:
     assert len(folded.node_decisions) == g.num_nodes
     assert folded.residual_bytes <= budget
     assert ("offload" in folded.node_decisions) == (bandwidth == 10**13)
+
+
+def test_a_layers_parameter_read_after_the_stack_is_not_folded_into_the_others() -> None:
+    """Every layer's parameter is read by the backward pass, and the loss also
+    reads layer 3's. Folding that layer into the representative would count the
+    parameter twice (scaled with the others, and again where the loss reads it)."""
+    b = GraphBuilder("tied-weights")
+    x, params = b.input(4), []
+    for _ in range(8):
+        p = b.input(3)
+        params.append(p)
+        b.backward_reads.append(p)
+        h, out = b.value(5), b.value(4)
+        b.node("op", [x, p], [h], key="a", flops=4)
+        b.node("op", [h], [out], key="z", flops=7)
+        x = out
+    b.node("loss", [x, params[3]], [b.value(1)], key="loss", flops=1)
+    b.backward_reads.append(x)
+    g = b.build()
+    folded = compress(g)
+    if folded is not None:  # only copies that leave layer 3 alone may fold
+        for saved in ({"a"}, {"z"}, {"a", "z", "loss"}, set()):
+            assert cost(folded.graph, saved) == cost(g, saved)
+    # Layers 1-6 as copies 0-5 (layer 0 reads a graph input; layer 7 is read by
+    # the loss): layer 3's parameter is shared, so its layer differs from its twins.
+    reason = why_not_folded(g, Repeats(2, 2, 6))
+    assert reason == "node 6 in copy 2 is wired unlike its twin in copy 0"
