@@ -110,25 +110,35 @@ def _solve_offload(
     folding argument (``solver.repeats``) holds for save/offload/recompute
     decisions tied by key as it does for save/recompute.
     """
-    from solver.offload_solve import evaluate_offload, solve_offload
+    from solver.offload_solve import solve_offload
 
     folded = compress(graph) if options.tie and not options.direct else None
+    answer = solve_offload(graph if folded is None else folded.graph, budget, options,
+                           progress=progress, cancel=cancel, started=started)
     if folded is None:
-        return solve_offload(graph, budget, options, progress=progress, cancel=cancel,
-                             started=started)
-    answer = solve_offload(folded.graph, budget, options, progress=progress, cancel=cancel,
-                           started=started)
+        return answer
+    return _unfold(graph, folded, answer, budget, baseline_backward_flops(graph))
+
+
+def _unfold(graph: CostGraph, folded: Compressed, answer: Solution, budget: int,
+            baseline: int) -> Solution:
+    """The folded graph's answer on the full graph, priced there again: the two
+    prices must agree to the byte and FLOP (device and host bytes alike)."""
+    from solver.offload_solve import evaluate_offload
+
     update: dict[str, Any] = {"graph_hash": graph.content_hash}
     if answer.node_decisions:
         decisions = folded.expand(answer.node_decisions)
         plan = evaluate_offload(graph, [d != "recompute" for d in decisions],
                                 [d == "offload" for d in decisions])
-        recompute = plan.evaluation.backward_flops - baseline_backward_flops(graph)
+        recompute = plan.evaluation.backward_flops - baseline
         host = answer.offload.host_bytes if answer.offload else 0
         assert (plan.device_bytes, plan.host_bytes, recompute) == (
             answer.residual_bytes, host, answer.recompute_flops,
-        ), "the folded graph priced the offload plan differently from the full graph"
+        ), "the folded graph priced the plan differently from the full graph"
         update["node_decisions"] = decisions
+        if answer.baselines is not None:
+            update["baselines"] = compare(graph, budget, recompute)
     return answer.model_copy(update=update)
 
 
@@ -192,7 +202,8 @@ def _search(
     if options.tie and not options.direct:
         folded = compress(graph)
         if folded is not None:
-            return _FoldedSearch(graph, folded, options, started, progress, cancel)
+            inner = _Search(folded.graph, options, started, progress, cancel)
+            return _FoldedSearch(graph, folded, inner)
     return _Search(graph, options, started, progress, cancel)
 
 
@@ -537,23 +548,14 @@ class _FoldedSearch:
     """A tied search on the graph with its repeated layers folded into one.
 
     The folded graph has the same optimum and bound (``solver.repeats``); its
-    answer is unfolded onto the full graph and evaluated there, and the two
-    evaluations must agree to the byte and FLOP.
+    answer is unfolded onto the full graph and priced there (``_unfold``).
     """
 
-    def __init__(
-        self,
-        graph: CostGraph,
-        folded: Compressed,
-        options: SolveOptions,
-        started: float,
-        progress: ProgressCallback | None,
-        cancel: threading.Event | None,
-    ) -> None:
+    def __init__(self, graph: CostGraph, folded: Compressed, inner: _Search) -> None:
         self.graph = graph
         self.folded = folded
         self.baseline = baseline_backward_flops(graph)
-        self.inner = _Search(folded.graph, options, started, progress, cancel)
+        self.inner = inner
 
     def restart_clock(self, started: float) -> None:
         self.inner.restart_clock(started)
@@ -561,19 +563,7 @@ class _FoldedSearch:
     def solve(self, budget: int, start: Sequence[bool] | None = None) -> Solution:
         inner_start = None if start is None else self.folded.restrict(list(start))
         answer = self.inner.solve(budget, inner_start)
-        update: dict[str, Any] = {"graph_hash": self.graph.content_hash}
-        if answer.node_decisions:
-            saves = self.folded.expand([d == "save" for d in answer.node_decisions])
-            evaluation = evaluate(self.graph, saves)
-            recompute = evaluation.backward_flops - self.baseline
-            assert (evaluation.residual_bytes, recompute) == (
-                answer.residual_bytes,
-                answer.recompute_flops,
-            ), "the folded graph priced the plan differently from the full graph"
-            update["node_decisions"] = ["save" if s else "recompute" for s in saves]
-            if answer.baselines is not None:
-                update["baselines"] = compare(self.graph, budget, recompute)
-        return answer.model_copy(update=update)
+        return _unfold(self.graph, self.folded, answer, budget, self.baseline)
 
     def min_budget(self) -> int:
         return self.inner.min_budget()
