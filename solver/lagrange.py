@@ -47,6 +47,11 @@ class Point:
     backward_flops: int
     residual_bytes: int
 
+    @classmethod
+    def priced(cls, graph: CostGraph, saves: list[bool]) -> Point:
+        ev = evaluate(graph, saves)
+        return cls(tuple(saves), ev.backward_flops, ev.residual_bytes)
+
 
 @dataclass(frozen=True)
 class Bound:
@@ -143,8 +148,7 @@ class CutModel:
         saves = [True] * self.graph.num_nodes
         for m in nodes[nodes < self.graph.num_nodes]:
             saves[int(m)] = False
-        ev = evaluate(self.graph, saves)
-        return Point(tuple(saves), ev.backward_flops, ev.residual_bytes), lower
+        return Point.priced(self.graph, saves), lower
 
 
 def bound_and_plans(graph: CostGraph, budget: int, deadline: float | None = None,
@@ -192,8 +196,7 @@ def bound_and_plans(graph: CostGraph, budget: int, deadline: float | None = None
             low = point
         else:
             high = point
-    for point in _mixes(graph, low, high, budget, deadline):
-        fits.append(point)
+    fits.extend(_mixes(graph, low, high, budget, deadline))
     return result()
 
 
@@ -235,8 +238,7 @@ def _mixes(graph: CostGraph, low: Point, high: Point, budget: int,
         for nodes in order[:count]:
             for n in nodes:
                 saves[n] = low.saves[n]
-        ev = evaluate(graph, saves)
-        return Point(tuple(saves), ev.backward_flops, ev.residual_bytes)
+        return Point.priced(graph, saves)
 
     found: list[Point] = []
     lo, hi = 0, len(order)  # the prefix of length lo fits (it is ``high``)
