@@ -29,15 +29,14 @@ import ortools
 from ortools.sat.python import cp_model
 
 from solver.backends import stop_when_set
+from solver.backends.cpsat import CpSatBackend, Incumbents, set_search_parameters
 from solver.formulation import Formulation, build
 from solver.graph import CostGraph
 from solver.offload import TRANSFERS_PER_BYTE, OffloadOptions, OffloadReport
 from solver.semantics import Evaluation, baseline_backward_flops, evaluate
 from solver.solution import InfeasibleBudgetError, Solution, SolveOptions, SolveStatus
+from solver.solve import PHASE2_WORK
 
-SEED = 0
-PHASE2_WORK = 2.0  # phase 2's deterministic effort, relative to phase 1's (as solver.solve)
-PHASE2_MIN_WORK = 2.0  # deterministic seconds
 INT64_SAFE = 2**62  # CP-SAT rejects linear expressions whose extremes may overflow int64
 
 # progress(incumbent, bound, elapsed_s), in FLOP-equivalents.
@@ -154,19 +153,11 @@ class _OffloadSearch:
              work_limit: float | None = None) -> tuple[cp_model.CpSolver, Any]:
         model.model.minimize(minimize)
         solver = cp_model.CpSolver()
-        p = solver.parameters
-        p.num_workers = 1  # one worker and a fixed seed: the same answer on every host
-        p.random_seed = SEED
-        p.max_time_in_seconds = max(1e-3, self.started + self.options.time_limit_s
-                                    - time.monotonic())
-        p.relative_gap_limit = self.options.relative_gap
-        if work_limit is not None:
-            p.max_deterministic_time = work_limit
-        p.linearization_level = 2  # the LP over the clauses gives the bound (as backends.cpsat)
-        p.symmetry_level = 0
+        time_left = max(1e-3, self.started + self.options.time_limit_s - time.monotonic())
+        set_search_parameters(solver, time_left, self.options.relative_gap, work_limit)
         callback = None
         if report and self.progress is not None:
-            callback = _Incumbents(self._report, model)
+            callback = Incumbents(lambda objective, bound: self._report(model, objective, bound))
         if self.cancel is not None and self.cancel.is_set():
             return solver, cp_model.UNKNOWN
         with stop_when_set(self.cancel, solver.stop_search):
@@ -222,7 +213,7 @@ class _OffloadSearch:
         model.model.clear_hints()
         for var, value in zip(model.variables, values, strict=True):
             model.model.add_hint(var, value)
-        work = max(PHASE2_MIN_WORK, PHASE2_WORK * first.deterministic_time)
+        work = max(CpSatBackend.min_work, PHASE2_WORK * first.deterministic_time)
         solver, status = self._run(model, model.device, report=False, work_limit=work)
         if status != cp_model.OPTIMAL:
             return plan
@@ -283,15 +274,6 @@ class _OffloadSearch:
             ),
             solve_seconds=time.monotonic() - self.started,
         )
-
-
-class _Incumbents(cp_model.CpSolverSolutionCallback):
-    def __init__(self, report: Callable[[_Model, float, float], None], model: _Model) -> None:
-        super().__init__()
-        self._report, self._model = report, model
-
-    def on_solution_callback(self) -> None:
-        self._report(self._model, self.objective_value, self.best_objective_bound)
 
 
 def solve_offload(graph: CostGraph, budget_bytes: int, options: SolveOptions, *,

@@ -20,8 +20,30 @@ from solver.formulation import Formulation
 SEED = 0
 
 
-class _Incumbents(cp_model.CpSolverSolutionCallback):
-    def __init__(self, report: IncumbentCallback | None, stop_at: int | None) -> None:
+def set_search_parameters(solver: cp_model.CpSolver, time_limit_s: float, relative_gap: float,
+                          work_limit: float | None) -> None:
+    """What every CP-SAT search of the project runs with."""
+    params = solver.parameters
+    params.num_workers = 1  # one worker and a fixed seed: the same answer on every run and host
+    params.random_seed = SEED
+    params.log_search_progress = False
+    params.max_time_in_seconds = time_limit_s
+    params.relative_gap_limit = relative_gap
+    if work_limit is not None:
+        params.max_deterministic_time = work_limit
+    # The LP over all constraints gives the bound that closes these models;
+    # the default level leaves the clauses out of it.
+    params.linearization_level = 2
+    # Symmetry detection never changed the search on these models (same
+    # deterministic time with and without), and on a 10k-node tied graph its
+    # presolve ran a minute past max_time_in_seconds.
+    params.symmetry_level = 0
+
+
+class Incumbents(cp_model.CpSolverSolutionCallback):
+    """Reports each new solution's (objective, bound); stops at ``stop_at`` if given."""
+
+    def __init__(self, report: IncumbentCallback | None, stop_at: int | None = None) -> None:
         super().__init__()
         self._report = report
         self._stop_at = stop_at
@@ -91,28 +113,15 @@ class CpSatBackend:
                 model.add_hint(var, bool(value))
 
         solver = cp_model.CpSolver()
-        params = solver.parameters
-        params.num_workers = 1  # one worker: the same answer on every run and host
-        params.log_search_progress = False
+        time_left = max(0.0, time_limit_s - (time.monotonic() - called))
+        set_search_parameters(solver, time_left, relative_gap, work_limit)
         # The hint is a complete plan that the objective cut-off already keeps as
         # the answer to beat; repairing it first ("hint search") spent a third of
         # a 10 s untied solve on the 96-layer stack for a 0.1% better start, and
         # left a 6.6% gap where the plain search proves the optimum.
-        params.hint_conflict_limit = 0
-        params.random_seed = SEED
-        params.max_time_in_seconds = max(0.0, time_limit_s - (time.monotonic() - called))
-        params.relative_gap_limit = relative_gap
-        if work_limit is not None:
-            params.max_deterministic_time = work_limit
-        # The LP over all constraints gives the bound that closes these models;
-        # the default level leaves the clauses out of it.
-        params.linearization_level = 2
-        # Symmetry detection never changed the search on these models (same
-        # deterministic time with and without), and on a 10k-node tied graph its
-        # presolve ran a minute past max_time_in_seconds.
-        params.symmetry_level = 0
+        solver.parameters.hint_conflict_limit = 0
         wanted = on_incumbent is not None or stop_at is not None
-        callback = _Incumbents(on_incumbent, stop_at) if wanted else None
+        callback = Incumbents(on_incumbent, stop_at) if wanted else None
         with stop_when_set(cancel, solver.stop_search):
             status = solver.solve(model, callback)
 
