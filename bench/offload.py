@@ -54,7 +54,7 @@ def offload_table(layers: int = 8, fraction: float | None = None, time_limit: fl
             rows.append(dict(bandwidth=bandwidth, status="infeasible"))
             continue
         took = time.monotonic() - started
-        host = sol.offload.host_bytes if sol.offload else 0
+        host = sol.host_bytes
         seconds = (sol.offload.estimated_seconds if sol.offload
                    else sol.recompute_flops / DEFAULT_DEVICE_FLOP_RATE)
         row = dict(bandwidth=bandwidth, status=sol.status.value, device_bytes=sol.residual_bytes,

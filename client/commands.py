@@ -246,9 +246,8 @@ def _explain(args: argparse.Namespace) -> int:
     print(f"budget {format_bytes(sol.budget_bytes)}; residuals {format_bytes(sol.residual_bytes)} "
           f"in {len(evaluation.residuals)} values; {sol.recompute_flops:,} recompute FLOPs "
           f"over {len(recomputed)} equations (lower bound {sol.lower_bound_flops:,})")
-    host = sol.offload.host_bytes if sol.offload is not None else 0
     if sol.offload is not None:
-        print(f"offloaded to host memory: {format_bytes(host)}; estimated "
+        print(f"offloaded to host memory: {format_bytes(sol.host_bytes)}; estimated "
               f"{sol.offload.estimated_seconds * 1e3:.3f} ms of recompute and transfers")
 
     inputs = {graph.value_index[v] for v in graph.inputs}
@@ -268,7 +267,7 @@ def _explain(args: argparse.Namespace) -> int:
     shown = rows[:args.top] if args.top else rows
     print()
     print(f"{'bytes':>11} {'share':>6} {'FLOPs':>12}  {'op':<16} {'value':<22} source")
-    total = max(sol.residual_bytes + host, 1)
+    total = max(sol.residual_bytes + sol.host_bytes, 1)
     for nbytes, op, shape, flops, source in shown:
         print(f"{format_bytes(nbytes):>11} {nbytes / total:>6.1%} "
               f"{'-' if flops is None else f'{flops:,}':>12}  {op:<16} {shape:<22} "

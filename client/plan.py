@@ -25,11 +25,6 @@ SolveFn = Callable[..., Solution]
 OFFLOAD_SRC, OFFLOAD_DST = "device", "pinned_host"
 
 
-def host_bytes(solution: Solution) -> int:
-    """Residual bytes a plan offloads to host memory (0 without offload)."""
-    return solution.offload.host_bytes if solution.offload is not None else 0
-
-
 class PlanError(RuntimeError):
     """A plan used in a way it cannot honour exactly."""
 
@@ -61,7 +56,7 @@ class NamesForm:
 
     @property
     def host_bytes(self) -> int:
-        return host_bytes(self.solution)
+        return self.solution.host_bytes
 
     @property
     def recompute_flops(self) -> int:
@@ -158,7 +153,7 @@ class Plan:
     @property
     def host_bytes(self) -> int:
         """Residual bytes offloaded to host memory (``offload=OffloadOptions(...)``)."""
-        return host_bytes(self.solution)
+        return self.solution.host_bytes
 
     @property
     def estimated_seconds(self) -> float | None:

@@ -87,6 +87,11 @@ class Solution(BaseModel):
     # in FLOP-equivalents (recompute FLOPs plus transfers priced in FLOPs).
     offload: OffloadReport | None = Field(default=None, exclude_if=lambda v: v is None)
 
+    @property
+    def host_bytes(self) -> int:
+        """Residual bytes offloaded to host memory (0 without offload)."""
+        return self.offload.host_bytes if self.offload is not None else 0
+
     def fingerprint(self) -> str:
         """sha256 over every deterministic field (all but ``solve_seconds``)."""
         data = self.model_dump(mode="json", exclude={"solve_seconds"})

@@ -132,9 +132,8 @@ def _unfold(graph: CostGraph, folded: Compressed, answer: Solution, budget: int,
         plan = evaluate_offload(graph, [d != "recompute" for d in decisions],
                                 [d == "offload" for d in decisions])
         recompute = plan.evaluation.backward_flops - baseline
-        host = answer.offload.host_bytes if answer.offload else 0
         assert (plan.device_bytes, plan.host_bytes, recompute) == (
-            answer.residual_bytes, host, answer.recompute_flops,
+            answer.residual_bytes, answer.host_bytes, answer.recompute_flops,
         ), "the folded graph priced the plan differently from the full graph"
         update["node_decisions"] = decisions
         if answer.baselines is not None:
