@@ -86,7 +86,6 @@ def mark_pareto(points: Sequence[ParetoPoint]) -> None:
     plans = [(p, (p.residual_bytes, p.recompute_flops)) for p in points
              if p.status in (SolveStatus.OPTIMAL, SolveStatus.FEASIBLE)
              and p.residual_bytes is not None and p.recompute_flops is not None]
-    plans_ = [(p, (int(b or 0), int(f or 0))) for p, (b, f) in plans]
-    for p, cost in plans_:
+    for p, cost in plans:
         p.pareto = not any(other[0] <= cost[0] and other[1] <= cost[1] and other != cost
-                           for _, other in plans_)
+                           for _, other in plans)
