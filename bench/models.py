@@ -16,9 +16,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import jax  # noqa: E402
 
-from client import extract_graph, optimize  # noqa: E402
-from client.measure import backward_flops, residual_bytes  # noqa: E402
-from solver.solve import max_useful_budget, min_feasible_budget  # noqa: E402
+from optiremat.client import extract_graph, optimize  # noqa: E402
+from optiremat.client.measure import backward_flops, residual_bytes  # noqa: E402
+from optiremat.solver.solve import max_useful_budget, min_feasible_budget  # noqa: E402
 from tests.models import CORPUS  # noqa: E402
 
 BUILTINS = {

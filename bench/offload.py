@@ -1,6 +1,6 @@
 """Offload vs recompute on a transformer-like graph, at a few link speeds.
 
-For ``solver.synthetic.transformer_like(layers)`` at a device budget (by
+For ``optiremat.solver.synthetic.transformer_like(layers)`` at a device budget (by
 default the smallest one a plan without offload fits; ``--fraction`` takes a
 share of the save-everything bytes instead), one solve without offload and one per
 host bandwidth (the device FLOP rate at its default): bytes kept in host
@@ -21,10 +21,10 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from solver.offload import DEFAULT_DEVICE_FLOP_RATE, OffloadOptions  # noqa: E402
-from solver.solution import InfeasibleBudgetError  # noqa: E402
-from solver.solve import max_useful_budget, min_feasible_budget, solve  # noqa: E402
-from solver.synthetic import transformer_like  # noqa: E402
+from optiremat.solver.offload import DEFAULT_DEVICE_FLOP_RATE, OffloadOptions  # noqa: E402
+from optiremat.solver.solution import InfeasibleBudgetError  # noqa: E402
+from optiremat.solver.solve import max_useful_budget, min_feasible_budget, solve  # noqa: E402
+from optiremat.solver.synthetic import transformer_like  # noqa: E402
 
 # bytes/s: two links faster than any today (to show where offload wins), NVLink-C2C
 # class, PCIe 4 x16 (the default), a congested 1 GB/s.

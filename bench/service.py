@@ -34,9 +34,9 @@ import httpx
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from solver.graph import CostGraph  # noqa: E402
-from solver.solve import max_useful_budget, min_feasible_budget  # noqa: E402
-from solver.synthetic import transformer_like  # noqa: E402
+from optiremat.solver.graph import CostGraph  # noqa: E402
+from optiremat.solver.solve import max_useful_budget, min_feasible_budget  # noqa: E402
+from optiremat.solver.synthetic import transformer_like  # noqa: E402
 
 HEADERS = {"Content-Type": "application/json"}
 
@@ -67,7 +67,7 @@ def local_server(workers: int) -> Iterator[str]:
         env = {**os.environ, "OPTIREMAT_DATA_DIR": data_dir, "OPTIREMAT_WORKERS": str(workers),
                "OPTIREMAT_LOG_LEVEL": "WARNING"}
         process = subprocess.Popen(
-            [sys.executable, "-m", "client.cli", "serve", "--port", str(port)],
+            [sys.executable, "-m", "optiremat", "serve", "--port", str(port)],
             cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
         )
         url = f"http://127.0.0.1:{port}"

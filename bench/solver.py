@@ -1,17 +1,17 @@
 """The solver at scale, side by side in one run.
 
 * a 96-layer transformer stack (a plain-JAX block below, unrolled, extracted
-  with ``client.extract_graph``: about 9,600 nodes) at 25/50/75% of the
+  with ``optiremat.extract_graph``: about 9,600 nodes) at 25/50/75% of the
   save-everything bytes, tied and untied, next to the direct formulation
   (``direct=True``: no reductions, folding, starts or cut bound) after the same time;
-* a 100,000-node synthetic graph (``solver.synthetic.transformer_like``) solved
+* a 100,000-node synthetic graph (``optiremat.solver.synthetic.transformer_like``) solved
   in a child process: its plan, gap, wall time and peak RSS;
-* a 16-point frontier of the 96-layer stack (``solver.frontier.solve_budgets``)
+* a 16-point frontier of the 96-layer stack (``optiremat.solver.frontier.solve_budgets``)
   and its cost in single-solve units (its wall time over the mean of the same
   budgets solved one by one), tied and untied;
 * ten runs of one request on a pool of worker processes: identical JSON;
 * offload against recompute at five host link speeds (``bench/offload.py``);
-* the baselines (``solver.baselines``) against the plan for each bench model.
+* the baselines (``optiremat.solver.baselines``) against the plan for each bench model.
 
 Run: ``.venv/bin/python bench/solver.py [--time-limit S] [--layers N] [--parts ...]``.
 """
@@ -78,7 +78,7 @@ def transformer_stack(layers: int, *, batch: int = 2, seq: int = 128, d: int = 2
 
 
 def _row(graph, budget: int, **options: object) -> dict:
-    from solver import InfeasibleBudgetError, solve
+    from optiremat.solver import InfeasibleBudgetError, solve
 
     started = time.monotonic()
     try:
@@ -99,7 +99,7 @@ def _fmt(row: dict) -> str:
 
 def stack_table(graph, time_limit: float) -> None:
     """Each cell solved to a 0.1% gap (the issue's "optimal")."""
-    from solver import max_useful_budget
+    from optiremat.solver import max_useful_budget
 
     full = max_useful_budget(graph)
     print(f"\n## {graph.num_nodes}-node stack, {time_limit:g} s per solve, relative gap "
@@ -119,8 +119,8 @@ def frontier_cost(graph, time_limit: float) -> None:
     """A 16-point sweep against the same 16 budgets solved one by one, tied and
     untied: the sweep's cost in single-solve units is its wall time over the
     mean of those single solves."""
-    from solver import SolveOptions, max_useful_budget, min_feasible_budget, solve
-    from solver.frontier import solve_budgets, spaced_budgets
+    from optiremat.solver import SolveOptions, max_useful_budget, min_feasible_budget, solve
+    from optiremat.solver.frontier import solve_budgets, spaced_budgets
 
     low, high = min_feasible_budget(graph), max_useful_budget(graph)
     budgets = spaced_budgets(low, high, 16)
@@ -156,8 +156,8 @@ def frontier_cost(graph, time_limit: float) -> None:
 
 def _timed_request(task: tuple[str, list[int], str]) -> float:
     """One request in a fresh process: the graph arrives as JSON (parsing not timed)."""
-    from solver import CostGraph, SolveOptions, solve
-    from solver.frontier import solve_budgets
+    from optiremat.solver import CostGraph, SolveOptions, solve
+    from optiremat.solver.frontier import solve_budgets
 
     graph_json, budgets, options_json = task
     graph = CostGraph.model_validate_json(graph_json)
@@ -181,8 +181,8 @@ def cold_requests(graph, budgets: list[int], options) -> list[float]:
 
 
 def _solve_100k(queue, layers: int, time_limit: float, tie: bool) -> None:
-    from solver import max_useful_budget, solve
-    from solver.synthetic import transformer_like
+    from optiremat.solver import max_useful_budget, solve
+    from optiremat.solver.synthetic import transformer_like
 
     graph = transformer_like(layers)
     started = time.monotonic()
@@ -210,7 +210,7 @@ def big_graph(time_limit: float) -> None:
 
 
 def _fingerprint_run(args: tuple[str, int]) -> str:
-    from solver import CostGraph, solve
+    from optiremat.solver import CostGraph, solve
 
     graph_json, budget = args
     graph = CostGraph.model_validate_json(graph_json)
@@ -219,8 +219,8 @@ def _fingerprint_run(args: tuple[str, int]) -> str:
 
 
 def determinism(workers: int) -> None:
-    from solver import max_useful_budget
-    from solver.synthetic import transformer_like
+    from optiremat.solver import max_useful_budget
+    from optiremat.solver.synthetic import transformer_like
 
     graph = transformer_like(24)
     budget = max_useful_budget(graph) // 2
@@ -231,7 +231,7 @@ def determinism(workers: int) -> None:
 
 
 def baselines_table(name: str, graph) -> None:
-    from solver import max_useful_budget, solve
+    from optiremat.solver import max_useful_budget, solve
 
     budget = max_useful_budget(graph) // 2
     s = solve(graph, budget, compare_baselines=True, time_limit_s=10)
@@ -254,8 +254,8 @@ def main(argv: list[str] | None = None) -> None:
 
     import ortools
 
-    from client import extract_graph
-    from solver.synthetic import transformer_like
+    from optiremat.client import extract_graph
+    from optiremat.solver.synthetic import transformer_like
 
     print(f"ortools {ortools.__version__}, {os.cpu_count()} CPUs")
     fun, fargs = transformer_stack(args.layers)

@@ -2,7 +2,7 @@
 
 For graphs of about 1k, 5k and 10k nodes and budgets at 25/50/75% of the
 save-everything bytes, each backend solves the full request (both phases, as
-``solver.solve`` runs it) under the same time limit; the table shows status,
+``optiremat.solver.solve`` runs it) under the same time limit; the table shows status,
 recompute FLOPs, gap to the proven bound and wall time. The backend that is
 faster here is ``SolveOptions``' default.
 
@@ -21,9 +21,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import ortools  # noqa: E402
 
-from solver.solution import Backend, InfeasibleBudgetError  # noqa: E402
-from solver.solve import max_useful_budget, solve  # noqa: E402
-from solver.synthetic import transformer_like  # noqa: E402
+from optiremat.solver.solution import Backend, InfeasibleBudgetError  # noqa: E402
+from optiremat.solver.solve import max_useful_budget, solve  # noqa: E402
+from optiremat.solver.synthetic import transformer_like  # noqa: E402
 
 LAYERS = {"1k": 23, "5k": 114, "10k": 228}  # about 44 nodes per layer
 FRACTIONS = (0.25, 0.5, 0.75)

@@ -1,44 +1,40 @@
 """optiremat.client: from a JAX function to an exact, optimal checkpoint policy.
 
-The public surface is imported lazily so that ``client.cli`` (and through it the
-service) can start without importing JAX.
+Importing this package imports JAX. The JAX-free parts of optiremat (the CLI,
+the service) never import it.
 """
 
-from __future__ import annotations
+from optiremat.client.budget import BudgetError, MemoryBudget, memory_budget
+from optiremat.client.errors import ConnectionFailed, ProblemError, RemoteError
+from optiremat.client.extract import ExtractionError, extract_graph
+from optiremat.client.frontier import Frontier, sweep
+from optiremat.client.keys import policy_key
+from optiremat.client.plan import NamesForm, Plan, PlanError, Verification, optimize
+from optiremat.client.planfile import PlanFile, load_plan
+from optiremat.client.plot import plot_frontier
+from optiremat.client.policy import KeyPolicy
+from optiremat.client.remote import RematClient
 
-from importlib import import_module
-from typing import Any
-
-_EXPORTS = {
-    "extract_graph": "client.extract",
-    "ExtractionError": "client.extract",
-    "optimize": "client.plan",
-    "Plan": "client.plan",
-    "PlanError": "client.plan",
-    "NamesForm": "client.plan",
-    "Verification": "client.plan",
-    "KeyPolicy": "client.policy",
-    "policy_key": "client.keys",
-    "RematClient": "client.remote",
-    "RemoteError": "client.errors",
-    "ProblemError": "client.errors",
-    "ConnectionFailed": "client.errors",
-    "memory_budget": "client.budget",
-    "MemoryBudget": "client.budget",
-    "BudgetError": "client.budget",
-    "sweep": "client.frontier",
-    "Frontier": "client.frontier",
-    "plot_frontier": "client.plot",
-    "PlanFile": "client.planfile",
-    "load_plan": "client.planfile",
-    "OffloadOptions": "solver.offload",
-}
-
-__all__ = sorted(_EXPORTS)
-
-
-def __getattr__(name: str) -> Any:
-    module = _EXPORTS.get(name)
-    if module is None:
-        raise AttributeError(f"module 'client' has no attribute {name!r}")
-    return getattr(import_module(module), name)
+__all__ = [
+    "BudgetError",
+    "ConnectionFailed",
+    "ExtractionError",
+    "Frontier",
+    "KeyPolicy",
+    "MemoryBudget",
+    "NamesForm",
+    "Plan",
+    "PlanError",
+    "PlanFile",
+    "ProblemError",
+    "RematClient",
+    "RemoteError",
+    "Verification",
+    "extract_graph",
+    "load_plan",
+    "memory_budget",
+    "optimize",
+    "plot_frontier",
+    "policy_key",
+    "sweep",
+]

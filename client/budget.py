@@ -31,10 +31,10 @@ from typing import Any
 import jax
 import numpy as np
 
-from client.extract import Traced, graph_of_traced, trace
-from solver.graph import CostGraph
-from solver.semantics import evaluate
-from solver.units import format_bytes, parse_bytes
+from optiremat.client.extract import Traced, graph_of_traced, trace
+from optiremat.solver.graph import CostGraph
+from optiremat.solver.semantics import evaluate
+from optiremat.solver.units import format_bytes, parse_bytes
 
 HEADROOM = 0.10  # fraction of device memory left for XLA's workspace and temporaries
 

@@ -27,7 +27,7 @@ import math
 
 import numpy as np
 
-from client._jax_internals import ClosedJaxpr, Jaxpr, core
+from optiremat.client._jax_internals import ClosedJaxpr, Jaxpr, core
 
 LAYOUT_OPS = frozenset({
     "reshape", "broadcast_in_dim", "transpose", "squeeze", "expand_dims", "slice",

@@ -2,7 +2,7 @@
 
 A server error carries its RFC 9457 problem detail (``type``, ``title``,
 ``detail``, ``status`` and any extension members) as the server sent it. An
-infeasible budget is also a ``solver.solution.InfeasibleBudgetError``, so code
+infeasible budget is also a ``optiremat.solver.solution.InfeasibleBudgetError``, so code
 written against the local ``optimize`` catches it unchanged.
 """
 
@@ -12,7 +12,7 @@ from typing import Any
 
 import httpx
 
-from solver.solution import InfeasibleBudgetError
+from optiremat.solver.solution import InfeasibleBudgetError
 
 INFEASIBLE_BUDGET = "urn:optiremat:problem:infeasible-budget"
 

@@ -20,11 +20,11 @@ from dataclasses import dataclass, field
 import jax
 import numpy as np
 
-from client import _jax_internals as jx
-from client.cost_model import aval_bytes, eqn_flops
-from client.keys import policy_key
-from solver.graph import CostGraph, GraphBuilder, NodeMode
-from solver.semantics import evaluate
+from optiremat.client import _jax_internals as jx
+from optiremat.client.cost_model import aval_bytes, eqn_flops
+from optiremat.client.keys import policy_key
+from optiremat.solver.graph import CostGraph, GraphBuilder, NodeMode
+from optiremat.solver.semantics import evaluate
 
 NAME_PREFIX = "optiremat/"
 

@@ -3,7 +3,7 @@
 ``frontier`` solves locally with the budgets and Pareto marks the service's
 ``POST /v1/frontier`` uses, and returns the same ``Frontier`` model that
 ``RematClient.frontier`` parses from the server, so either feeds
-``client.plot.plot_frontier``.
+``optiremat.client.plot.plot_frontier``.
 """
 
 from __future__ import annotations
@@ -13,11 +13,11 @@ from dataclasses import dataclass
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from solver.frontier import mark_pareto, point_fields, solve_budgets, spaced_budgets
-from solver.graph import CostGraph
-from solver.semantics import baseline_backward_flops, evaluate
-from solver.solution import SolveOptions, SolveStatus
-from solver.solve import max_useful_budget, min_feasible_budget, resolve_options
+from optiremat.solver.frontier import mark_pareto, point_fields, solve_budgets, spaced_budgets
+from optiremat.solver.graph import CostGraph
+from optiremat.solver.semantics import baseline_backward_flops, evaluate
+from optiremat.solver.solution import SolveOptions, SolveStatus
+from optiremat.solver.solve import max_useful_budget, min_feasible_budget, resolve_options
 
 __all__ = [
     "DEFAULT_POINTS",
@@ -67,7 +67,7 @@ def sweep(graph: CostGraph, budgets: Sequence[int] | None = None,
     """Solve ``graph`` once per budget: explicit ``budgets``, or ``count`` spaced ones
     from the smallest feasible budget to the largest useful one (plus the feasible
     ones in ``also``). Each solve starts from the previous budget's plan
-    (``solver.frontier.solve_budgets``)."""
+    (``optiremat.solver.frontier.solve_budgets``)."""
     resolved = resolve_options(None, dict(options))
     low = high = None
     if budgets is None:
@@ -98,7 +98,7 @@ def builtin_points(fun: Callable, *args: object) -> dict[str, PolicyPoint]:
     (``saved_residuals`` and the backward pass's FLOPs)."""
     import jax
 
-    from client.measure import backward_flops, residual_bytes
+    from optiremat.client.measure import backward_flops, residual_bytes
 
     policies = jax.checkpoint_policies
     builtins = {

@@ -18,7 +18,7 @@ from typing import Any
 
 import numpy as np
 
-from client._jax_internals import ClosedJaxpr, Jaxpr, core
+from optiremat.client._jax_internals import ClosedJaxpr, Jaxpr, core
 
 _ADDRESS = re.compile(r" at 0x[0-9a-fA-F]+|0x[0-9a-fA-F]{6,}")
 

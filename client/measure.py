@@ -7,8 +7,8 @@ from dataclasses import dataclass
 
 import jax
 
-from client import _jax_internals as jx
-from client.cost_model import aval_bytes, jaxpr_flops
+from optiremat.client import _jax_internals as jx
+from optiremat.client.cost_model import aval_bytes, jaxpr_flops
 
 
 @dataclass(frozen=True)

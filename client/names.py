@@ -13,8 +13,8 @@ from collections.abc import Callable
 
 import jax
 
-from client import _jax_internals as jx
-from client.extract import NAME_PREFIX, Traced
+from optiremat.client import _jax_internals as jx
+from optiremat.client.extract import NAME_PREFIX, Traced
 
 # Where JAX consults the policy inside a sub-jaxpr (while loops and custom
 # derivative rules it never does).

@@ -9,14 +9,14 @@ from typing import Any
 
 import jax
 
-from client.budget import resolve_budget, split_auto_keywords
-from client.extract import Traced, graph_of_traced, trace
-from client.measure import Residual, backward_flops, saved_residuals
-from client.names import tag_every_value
-from client.policy import KeyPolicy
-from solver.graph import CostGraph
-from solver.solution import Solution
-from solver.solve import solve
+from optiremat.client.budget import resolve_budget, split_auto_keywords
+from optiremat.client.extract import Traced, graph_of_traced, trace
+from optiremat.client.measure import Residual, backward_flops, saved_residuals
+from optiremat.client.names import tag_every_value
+from optiremat.client.policy import KeyPolicy
+from optiremat.solver.graph import CostGraph
+from optiremat.solver.solution import Solution
+from optiremat.solver.solve import solve
 
 # solve(graph, budget_bytes, **options) -> Solution: the local solver, or a server's.
 SolveFn = Callable[..., Solution]
@@ -248,9 +248,9 @@ def optimize(fun: Callable, *args, budget: int | str, tie: bool = True, **option
 
     ``budget`` is bytes of residuals, an int or a string like ``"12MiB"``, or
     ``"auto"``: the device's memory less what the training step holds anyway
-    (see ``client.budget``; its keywords ``device_memory``, ``optimizer_state``,
+    (see ``optiremat.client.budget``; its keywords ``device_memory``, ``optimizer_state``,
     ``argnums``, ``donate_argnums`` and ``headroom`` are taken here too).
-    Other ``options`` are ``solver.SolveOptions`` fields (``time_limit_s``,
+    Other ``options`` are ``optiremat.solver.SolveOptions`` fields (``time_limit_s``,
     ``relative_gap``, ``backend``; ``offload=OffloadOptions(...)`` lets the plan
     keep residuals in host memory, and ``budget`` then caps device bytes).
     Keyword arguments of ``fun`` itself are not taken here: bind them with

@@ -3,7 +3,7 @@
 The file stands alone: ``optiremat explain`` reads it without the model, and
 ``load_plan(path).policy()`` rebuilds the checkpoint policy. Its
 ``key_aliases`` expand a cond's representative key to every key inside its
-branches (a plan written from ``client.optimize`` has them; one solved from a
+branches (a plan written from ``optiremat.optimize`` has them; one solved from a
 bare graph file has none, and its policy then saves no equation inside a
 cond's branches).
 """
@@ -15,13 +15,13 @@ from typing import TYPE_CHECKING, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from solver.graph import CostGraph
-from solver.semantics import Evaluation, evaluate
-from solver.solution import Solution
+from optiremat.solver.graph import CostGraph
+from optiremat.solver.semantics import Evaluation, evaluate
+from optiremat.solver.solution import Solution
 
 if TYPE_CHECKING:
-    from client.plan import Plan
-    from client.policy import KeyPolicy
+    from optiremat.client.plan import Plan
+    from optiremat.client.policy import KeyPolicy
 
 
 class PlanFile(BaseModel):
@@ -67,7 +67,7 @@ class PlanFile(BaseModel):
 
     def policy(self) -> KeyPolicy:
         """The policy for ``jax.checkpoint`` (tied plans only)."""
-        from client.policy import KeyPolicy
+        from optiremat.client.policy import KeyPolicy
 
         if not self.solution.options.tie:
             raise ValueError("an untied plan has no stateless policy: re-run optimize() "

@@ -12,7 +12,7 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
-from client.frontier import DEFAULT_POINTS, Frontier, PolicyPoint, builtin_points, sweep
+from optiremat.client.frontier import DEFAULT_POINTS, Frontier, PolicyPoint, builtin_points, sweep
 
 FORMATS = (".png", ".svg")
 _MARKERS = {"everything_saveable": "s", "dots_saveable": "D",
@@ -82,7 +82,7 @@ def _si(x: float) -> str:
 def plot_function(fun: Callable, *args: Any, path: str | Path, points: int = DEFAULT_POINTS,
                   **options: Any) -> Path:
     """Extract ``fun``, sweep ``points`` budgets locally, measure the built-ins, and plot."""
-    from client.extract import extract_graph
+    from optiremat.client.extract import extract_graph
 
     graph = extract_graph(fun, *args)
     builtins = builtin_points(fun, *args)

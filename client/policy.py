@@ -8,8 +8,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from client import _jax_internals as jx
-from client.keys import policy_key
+from optiremat.client import _jax_internals as jx
+from optiremat.client.keys import policy_key
 
 
 @dataclass(frozen=True)

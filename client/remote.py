@@ -3,7 +3,7 @@
 Extraction always runs here, next to JAX; only the cost graph travels
 (gzip-compressed) and only the Solution comes back. ``RematClient.optimize``
 builds its Plan from the local extraction and the remote solution with the
-same code as ``client.optimize``, so policy, predictions and ``verify`` agree.
+same code as ``optiremat.optimize``, so policy, predictions and ``verify`` agree.
 """
 
 from __future__ import annotations
@@ -17,14 +17,14 @@ from typing import Any
 import httpx
 from pydantic import BaseModel, ConfigDict
 
-from client.errors import ConnectionFailed, JobCancelled, problem_error, response_error
-from client.frontier import Frontier
-from client.progress import job_progress
-from client.transport import RetryTransport
-from solver.graph import CostGraph
-from solver.solution import Solution, SolveOptions
-from solver.solve import resolve_options
-from solver.units import parse_bytes
+from optiremat.client.errors import ConnectionFailed, JobCancelled, problem_error, response_error
+from optiremat.client.frontier import Frontier
+from optiremat.client.progress import job_progress
+from optiremat.client.transport import RetryTransport
+from optiremat.solver.graph import CostGraph
+from optiremat.solver.solution import Solution, SolveOptions
+from optiremat.solver.solve import resolve_options
+from optiremat.solver.units import parse_bytes
 
 GZIP_LEVEL = 6  # ~4x smaller graphs for a few ms per MB
 
@@ -196,13 +196,13 @@ class RematClient:
 
     def optimize(self, fun: Callable, *args: Any, budget: int | str, tie: bool = True,
                  job: bool = False, progress: bool | None = None, **options: Any):
-        """``client.optimize``, solved by the server; returns the same ``Plan``.
+        """``optiremat.optimize``, solved by the server; returns the same ``Plan``.
 
         With ``job``, the solve runs as a background job (no time-limit cap of
         the synchronous endpoint, a progress bar on a terminal). ``budget`` may
-        be ``"auto"``, with the keywords of ``client.budget.memory_budget``.
+        be ``"auto"``, with the keywords of ``optiremat.client.budget.memory_budget``.
         """
-        from client.plan import plan_for
+        from optiremat.client.plan import plan_for
 
         def remote_solve(graph: CostGraph, budget_bytes: int, **opts: Any) -> Solution:
             if job:

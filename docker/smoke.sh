@@ -13,13 +13,23 @@
 # 4. print the image's size.
 #
 # Environment: SMOKE_WORK (scratch directory, default /var/tmp/optiremat-smoke),
-# DEBIAN_MIRROR, SMOKE_PORT (default 18000), and PIP_INDEX_URL, passed to the build when
+# DEBIAN_MIRROR (default: this machine's apt sources), SMOKE_PORT (default 18000), and PIP_INDEX_URL, passed to the build when
 # set.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
 WORK=${SMOKE_WORK:-/var/tmp/optiremat-smoke}
-MIRROR=${DEBIAN_MIRROR:-http://deb.debian.org/debian}
+# The Debian mirror debootstrap fetches from: DEBIAN_MIRROR, else the first archive this
+# machine's own apt sources name (deb822 .sources or one-line sources.list), never a
+# default host of ours.
+apt_mirror() {
+    { awk '/^URIs:/ {print $2}' /etc/apt/sources.list.d/*.sources 2>/dev/null
+      awk '$1 == "deb" {for (i = 2; i <= NF; i++) if ($i ~ /:\/\//) {print $i; break}}' \
+          /etc/apt/sources.list /etc/apt/sources.list.d/*.list 2>/dev/null
+    } | grep -v -e '-security' | head -n 1
+}
+MIRROR=${DEBIAN_MIRROR:-$(apt_mirror)}
+[ -n "$MIRROR" ] || { echo "smoke: no Debian mirror in /etc/apt; set DEBIAN_MIRROR" >&2; exit 2; }
 PORT=${SMOKE_PORT:-18000}
 BASE=localhost/optiremat-base:bookworm
 IMAGE=localhost/optiremat:smoke

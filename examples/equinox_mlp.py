@@ -12,8 +12,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-import client
-from solver.solve import max_useful_budget, min_feasible_budget
+import optiremat
+from optiremat.solver.solve import max_useful_budget, min_feasible_budget
 
 MODEL = eqx.nn.MLP(in_size=32, out_size=8, width_size=64, depth=3, activation=jax.nn.gelu,
                    key=jax.random.key(0))
@@ -34,9 +34,9 @@ def example_args():
 
 def main() -> None:
     params, x, y = example_args()
-    graph = client.extract_graph(loss, params, x, y)
+    graph = optiremat.extract_graph(loss, params, x, y)
     budget = (min_feasible_budget(graph) + max_useful_budget(graph)) // 2
-    plan = client.optimize(loss, params, x, y, budget=budget)
+    plan = optiremat.optimize(loss, params, x, y, budget=budget)
     check = plan.verify(loss, params, x, y)
     assert check.exact and check.within_budget
     print(f"equinox: {plan.residual_bytes} B of residuals within {budget} B "

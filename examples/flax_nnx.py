@@ -11,8 +11,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-import client
-from solver.solve import max_useful_budget, min_feasible_budget
+import optiremat
+from optiremat.solver.solve import max_useful_budget, min_feasible_budget
 
 
 class MLP(nnx.Module):
@@ -44,9 +44,9 @@ def example_args():
 
 def main() -> None:
     state, x, y = example_args()
-    graph = client.extract_graph(loss, state, x, y)
+    graph = optiremat.extract_graph(loss, state, x, y)
     budget = (min_feasible_budget(graph) + max_useful_budget(graph)) // 2
-    plan = client.optimize(loss, state, x, y, budget=budget)
+    plan = optiremat.optimize(loss, state, x, y, budget=budget)
     check = plan.verify(loss, state, x, y)
     assert check.exact and check.within_budget
     print(f"flax nnx: {plan.residual_bytes} B of residuals within {budget} B "

@@ -14,8 +14,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-import client
-from solver.solve import max_useful_budget, min_feasible_budget
+import optiremat
+from optiremat.solver.solve import max_useful_budget, min_feasible_budget
 
 LAYERS, WIDTH, BATCH = 16, 64, 32
 
@@ -40,10 +40,10 @@ def example_args():
 
 def main() -> None:
     params, x = example_args()
-    graph = client.extract_graph(loss, params, x)
+    graph = optiremat.extract_graph(loss, params, x)
     low, high = min_feasible_budget(graph), max_useful_budget(graph)
     budget = (low + high) // 2
-    plan = client.optimize(loss, params, x, budget=budget)
+    plan = optiremat.optimize(loss, params, x, budget=budget)
     check = plan.verify(loss, params, x)
     print(f"budget {budget} B: plan keeps {plan.residual_bytes} B (JAX measures "
           f"{check.measured_bytes} B), recomputes {plan.recompute_flops} FLOPs; "

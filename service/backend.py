@@ -1,8 +1,8 @@
 """What the routes need from whatever runs the solves, and the choice between the two.
 
-Embedded (the default): ``service.solving.SolveManager`` with worker processes and
+Embedded (the default): ``optiremat.service.solving.SolveManager`` with worker processes and
 SQLite in this process. Cluster (``OPTIREMAT_REDIS_URL`` set):
-``service.cluster.ClusterManager``, which queues on Redis for ``optiremat worker``
+``optiremat.service.cluster.ClusterManager``, which queues on Redis for ``optiremat worker``
 processes anywhere. The API is the same either way.
 """
 
@@ -10,12 +10,12 @@ from __future__ import annotations
 
 from typing import Protocol
 
-from service.config import Settings
-from service.metrics import Metrics
-from service.models import Job, Readiness
-from service.pool import Outcome
-from solver.graph import CostGraph
-from solver.solution import SolveOptions
+from optiremat.service.config import Settings
+from optiremat.service.metrics import Metrics
+from optiremat.service.models import Job, Readiness
+from optiremat.service.pool import Outcome
+from optiremat.solver.graph import CostGraph
+from optiremat.solver.solution import SolveOptions
 
 
 class SolveBackend(Protocol):
@@ -45,13 +45,13 @@ class SolveBackend(Protocol):
 async def start_backend(settings: Settings, metrics: Metrics) -> SolveBackend:
     backend: SolveBackend
     if settings.redis_url:
-        from service.cluster import ClusterManager  # imports redis and rq only when used
+        from optiremat.service.cluster import ClusterManager  # imports redis and rq only when used
 
         backend = ClusterManager(settings, metrics)
     else:
-        from service.pool import WorkerPool
-        from service.solving import SolveManager
-        from service.store import Store
+        from optiremat.service.pool import WorkerPool
+        from optiremat.service.solving import SolveManager
+        from optiremat.service.store import Store
 
         store = Store(settings.database_path)  # first: a store it cannot read stops here
         pool = WorkerPool(settings.workers, metrics)

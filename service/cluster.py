@@ -26,16 +26,16 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import RedisError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
-from service.cluster_store import ClusterStore, RunRecord
-from service.config import Settings
-from service.metrics import Metrics
-from service.models import Job, JobStatus, Readiness
-from service.pool import Interrupted, Outcome
-from service.problems import ProblemError
-from service.solving import BodyMemo, budget_range_key, job_fields, job_view, solve_key
-from service.store import JobRecord
-from solver.graph import CostGraph
-from solver.solution import SolveOptions
+from optiremat.service.cluster_store import ClusterStore, RunRecord
+from optiremat.service.config import Settings
+from optiremat.service.metrics import Metrics
+from optiremat.service.models import Job, JobStatus, Readiness
+from optiremat.service.pool import Interrupted, Outcome
+from optiremat.service.problems import ProblemError
+from optiremat.service.solving import BodyMemo, budget_range_key, job_fields, job_view, solve_key
+from optiremat.service.store import JobRecord
+from optiremat.solver.graph import CostGraph
+from optiremat.solver.solution import SolveOptions
 
 log = logging.getLogger("optiremat.service")
 T = TypeVar("T")

@@ -2,7 +2,7 @@
 
 The worker takes jobs from the Redis queue one at a time. RQ forks a work horse
 per job from this process, which imported the solver once; the horse runs
-``run_job``, which calls ``service.worker.run_task`` (the very solve the embedded
+``run_job``, which calls ``optiremat.service.worker.run_task`` (the very solve the embedded
 pool runs) and writes the outcome to Redis itself, so an answer never depends on
 an API replica staying up.
 
@@ -32,10 +32,10 @@ from rq import Worker, get_current_job
 from rq.job import Job as RQJob
 from rq.serializers import JSONSerializer
 
-from service.cluster_store import ClusterStore, queue_name
-from service.config import Settings, redact_url
-from service.pool import Cancelled, settled
-from service.worker import Failed, ProgressReport, run_task
+from optiremat.service.cluster_store import ClusterStore, queue_name
+from optiremat.service.config import Settings, redact_url
+from optiremat.service.pool import Cancelled, settled
+from optiremat.service.worker import Failed, ProgressReport, run_task
 
 log = logging.getLogger("optiremat.worker")
 HEARTBEATS_MISSED = 3  # a job is abandoned after its worker misses this many heartbeats
@@ -56,11 +56,11 @@ class SolverWorker(Worker):
 def work(settings: Settings, *, burst: bool = False) -> int:
     """Run a worker until SIGTERM (which lets the current solve finish) or, with
     ``burst``, until the queue is empty."""
-    from service.logs import configure_logging
+    from optiremat.service.logs import configure_logging
 
     assert settings.redis_url, "cluster mode needs OPTIREMAT_REDIS_URL"
     configure_logging(settings.log_level)
-    import solver.solve  # noqa: F401  (every forked horse inherits the warm import)
+    import optiremat.solver.solve  # noqa: F401  (every forked horse inherits the warm import)
 
     redis = Redis.from_url(settings.redis_url)
     worker = SolverWorker(

@@ -11,11 +11,11 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from pydantic import BaseModel, ValidationError
 
-from service.backend import SolveBackend
-from service.config import Settings
-from service.problems import GRAPH_TOO_LARGE, ProblemError
-from solver.graph import CostGraph
-from solver.solution import SolveOptions
+from optiremat.service.backend import SolveBackend
+from optiremat.service.config import Settings
+from optiremat.service.problems import GRAPH_TOO_LARGE, ProblemError
+from optiremat.solver.graph import CostGraph
+from optiremat.solver.solution import SolveOptions
 
 Body = TypeVar("Body", bound=BaseModel)
 

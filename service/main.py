@@ -8,13 +8,13 @@ from contextlib import asynccontextmanager
 
 from fastapi import FastAPI
 
-from service.backend import start_backend
-from service.config import Settings, redact_url
-from service.metrics import Metrics
-from service.middleware import BodyDecodingMiddleware, RequestContextMiddleware
-from service.openapi import install_openapi
-from service.problems import install_problem_handlers
-from service.routes import frontier, health, jobs, solve
+from optiremat.service.backend import start_backend
+from optiremat.service.config import Settings, redact_url
+from optiremat.service.metrics import Metrics
+from optiremat.service.middleware import BodyDecodingMiddleware, RequestContextMiddleware
+from optiremat.service.openapi import install_openapi
+from optiremat.service.problems import install_problem_handlers
+from optiremat.service.routes import frontier, health, jobs, solve
 
 log = logging.getLogger("optiremat.service")
 
@@ -54,7 +54,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
 
 
 def _version() -> str:
-    from service.solving import solver_version
+    from optiremat.service.solving import solver_version
 
     return solver_version().split("+")[0].removeprefix("optiremat-")
 
@@ -63,7 +63,7 @@ def serve(settings: Settings) -> None:
     """Run the embedded service in this process until interrupted."""
     import uvicorn
 
-    from service.logs import configure_logging
+    from optiremat.service.logs import configure_logging
 
     configure_logging(settings.log_level)
     uvicorn.run(

@@ -15,8 +15,8 @@ import zlib
 from collections.abc import Awaitable, Callable, MutableMapping
 from typing import Any
 
-from service.metrics import Metrics
-from service.problems import INVALID_REQUEST, problem_body
+from optiremat.service.metrics import Metrics
+from optiremat.service.problems import INVALID_REQUEST, problem_body
 
 Scope = MutableMapping[str, Any]
 Message = MutableMapping[str, Any]

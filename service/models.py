@@ -8,9 +8,9 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, model_validator
 
-from service.problems import Problem
-from solver.graph import CostGraph, GraphBuilder
-from solver.solution import Solution, SolveOptions, SolveStatus
+from optiremat.service.problems import Problem
+from optiremat.solver.graph import CostGraph, GraphBuilder
+from optiremat.solver.solution import Solution, SolveOptions, SolveStatus
 
 NonNegInt = Annotated[StrictInt, Field(ge=0)]
 MAX_FRONTIER_POINTS = 64

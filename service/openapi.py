@@ -1,7 +1,7 @@
 """The OpenAPI document: built from the app, written to ``openapi.json`` at the repo root.
 
-    python -m service.openapi            # regenerate openapi.json
-    python -m service.openapi --check    # exit 1 when openapi.json is stale
+    python -m optiremat.service.openapi            # regenerate openapi.json
+    python -m optiremat.service.openapi --check    # exit 1 when openapi.json is stale
 """
 
 from __future__ import annotations
@@ -16,8 +16,8 @@ from fastapi import FastAPI
 from fastapi.openapi.utils import get_openapi
 from pydantic.json_schema import models_json_schema
 
-from service.models import FrontierRequest, SolveRequest
-from service.problems import PROBLEM_MEDIA_TYPE
+from optiremat.service.models import FrontierRequest, SolveRequest
+from optiremat.service.problems import PROBLEM_MEDIA_TYPE
 
 DEFAULT_PATH = Path(__file__).resolve().parent.parent / "openapi.json"
 
@@ -71,10 +71,11 @@ def render(app: FastAPI) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from service.config import Settings
-    from service.main import create_app
+    from optiremat.service.config import Settings
+    from optiremat.service.main import create_app
 
-    parser = argparse.ArgumentParser(prog="python -m service.openapi", description=__doc__,
+    parser = argparse.ArgumentParser(prog="python -m optiremat.service.openapi",
+                                     description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--check", action="store_true", help="compare instead of writing")
     parser.add_argument("--path", type=Path, default=DEFAULT_PATH)
@@ -82,7 +83,7 @@ def main(argv: list[str] | None = None) -> int:
     text = render(create_app(Settings()))
     if args.check:
         if not args.path.exists() or args.path.read_text() != text:
-            print(f"{args.path} is stale: run python -m service.openapi", file=sys.stderr)
+            print(f"{args.path} is stale: run python -m optiremat.service.openapi", file=sys.stderr)
             return 1
         return 0
     args.path.write_text(text)

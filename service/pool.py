@@ -21,8 +21,8 @@ from multiprocessing.context import SpawnProcess
 from multiprocessing.synchronize import Event
 from typing import Any
 
-from service.metrics import Metrics
-from service.worker import (
+from optiremat.service.metrics import Metrics
+from optiremat.service.worker import (
     Failed,
     Infeasible,
     ProgressReport,
@@ -31,7 +31,7 @@ from service.worker import (
     WorkerResult,
     worker_main,
 )
-from solver.solution import SolveStatus
+from optiremat.solver.solution import SolveStatus
 
 log = logging.getLogger("optiremat.service")
 

@@ -80,7 +80,7 @@ def problem_response(status: int, title: str, detail: str, *,
 
 
 def problem_responses(*codes: int) -> dict[int | str, dict[str, Any]]:
-    """OpenAPI ``responses`` entries for error codes (``service.openapi`` files them under
+    """OpenAPI ``responses`` entries for error codes (``optiremat.service.openapi`` files them under
     ``application/problem+json``)."""
     descriptions = {
         400: "Malformed request (bad JSON, bad gzip)",

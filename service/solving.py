@@ -8,8 +8,8 @@ finds the stored result: identical requests never solve twice.
 
 A job is the same run with a row in the store whose id is the request hash.
 
-``SolveManager`` is the embedded backend; ``service.cluster.ClusterManager`` is the
-Redis one. Both answer the routes through ``service.backend.SolveBackend``, and
+``SolveManager`` is the embedded backend; ``optiremat.service.cluster.ClusterManager`` is the
+Redis one. Both answer the routes through ``optiremat.service.backend.SolveBackend``, and
 share the pieces below that do not depend on where the solve runs (request hash,
 job views, the frontier sweep, the body memo).
 """
@@ -26,12 +26,18 @@ from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import TYPE_CHECKING, Any
 
-from service.metrics import Metrics
-from service.models import Frontier, FrontierPoint, Job, JobStatus, Progress, Readiness
-from service.pool import Cancelled, Interrupted, Outcome, Task, WorkerPool, settled
-from service.problems import INFEASIBLE_BUDGET, SOLVE_FAILED, Problem, ProblemError, problem_body
-from service.store import JobRecord, Store
-from service.worker import (
+from optiremat.service.metrics import Metrics
+from optiremat.service.models import Frontier, FrontierPoint, Job, JobStatus, Progress, Readiness
+from optiremat.service.pool import Cancelled, Interrupted, Outcome, Task, WorkerPool, settled
+from optiremat.service.problems import (
+    INFEASIBLE_BUDGET,
+    SOLVE_FAILED,
+    Problem,
+    ProblemError,
+    problem_body,
+)
+from optiremat.service.store import JobRecord, Store
+from optiremat.service.worker import (
     BudgetRange,
     Failed,
     Infeasible,
@@ -39,12 +45,12 @@ from service.worker import (
     Solved,
     solver_version,
 )
-from solver.frontier import SweepResult, mark_pareto, point_fields, spaced_budgets
-from solver.graph import CostGraph
-from solver.solution import InfeasibleBudgetError, Solution, SolveOptions
+from optiremat.solver.frontier import SweepResult, mark_pareto, point_fields, spaced_budgets
+from optiremat.solver.graph import CostGraph
+from optiremat.solver.solution import InfeasibleBudgetError, Solution, SolveOptions
 
 if TYPE_CHECKING:
-    from service.backend import SolveBackend
+    from optiremat.service.backend import SolveBackend
 
 __all__ = ["SolveManager", "frontier", "job_fields", "job_view", "solve_key", "solver_version"]
 

@@ -3,7 +3,7 @@
 This module is the entry point of a spawned process, so it imports only solver/
 (never FastAPI, never JAX). Results travel back as the small dataclasses below.
 ``run_task`` is the one solve path: the embedded pool's processes and the
-cluster's RQ workers (``service.cluster_worker``) both call it.
+cluster's RQ workers (``optiremat.service.cluster_worker``) both call it.
 """
 
 from __future__ import annotations
@@ -81,9 +81,9 @@ def solver_version() -> str:
 
 def _solve(payload: dict[str, Any], cancel: CancelFlag,
            report: Callable[[ProgressReport], None]) -> WorkerResult:
-    from solver.graph import CostGraph
-    from solver.solution import InfeasibleBudgetError, SolveOptions
-    from solver.solve import solve
+    from optiremat.solver.graph import CostGraph
+    from optiremat.solver.solution import InfeasibleBudgetError, SolveOptions
+    from optiremat.solver.solve import solve
 
     graph = CostGraph.model_validate_json(payload["graph_json"])
     options = SolveOptions.model_validate(payload["options"])
@@ -110,8 +110,8 @@ def _solve(payload: dict[str, Any], cancel: CancelFlag,
 
 
 def _budget_range(payload: dict[str, Any]) -> WorkerResult:
-    from solver.graph import CostGraph
-    from solver.solve import max_useful_budget, min_feasible_budget
+    from optiremat.solver.graph import CostGraph
+    from optiremat.solver.solve import max_useful_budget, min_feasible_budget
 
     graph = CostGraph.model_validate_json(payload["graph_json"])
     return BudgetRange(
@@ -140,7 +140,7 @@ def worker_main(conn: Connection, cancel: Event) -> None:
     """Serve ``(kind, payload)`` tasks from ``conn`` until it closes or sends ``None``."""
     # Ctrl-C in a terminal reaches the whole process group; the parent decides when we stop.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    import solver.solve  # noqa: F401  (warm the import before the first task)
+    import optiremat.solver.solve  # noqa: F401  (warm the import before the first task)
 
     send_lock = threading.Lock()
 

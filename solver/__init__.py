@@ -3,17 +3,22 @@
 Pure pydantic + OR-Tools; never imports JAX.
 """
 
-from solver.graph import SCHEMA_VERSION, CostGraph, GraphBuilder, GraphError, NodeMode
-from solver.offload import OffloadOptions
-from solver.semantics import Evaluation, baseline_backward_flops, evaluate, recompute_flops
-from solver.solution import (
+from optiremat.solver.graph import SCHEMA_VERSION, CostGraph, GraphBuilder, GraphError, NodeMode
+from optiremat.solver.offload import OffloadOptions
+from optiremat.solver.semantics import (
+    Evaluation,
+    baseline_backward_flops,
+    evaluate,
+    recompute_flops,
+)
+from optiremat.solver.solution import (
     Backend,
     InfeasibleBudgetError,
     Solution,
     SolveOptions,
     SolveStatus,
 )
-from solver.solve import ProgressCallback, max_useful_budget, min_feasible_budget, solve
+from optiremat.solver.solve import ProgressCallback, max_useful_budget, min_feasible_budget, solve
 
 __all__ = [
     "SCHEMA_VERSION",

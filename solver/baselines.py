@@ -20,8 +20,8 @@ from collections.abc import Sequence
 
 from pydantic import BaseModel, ConfigDict, StrictInt
 
-from solver.graph import CostGraph, NodeMode
-from solver.semantics import baseline_backward_flops, evaluate
+from optiremat.solver.graph import CostGraph, NodeMode
+from optiremat.solver.semantics import baseline_backward_flops, evaluate
 
 DOTS = frozenset({"dot_general", "conv_general_dilated", "scaled_matmul_wrapper"})
 GREEDY_CANDIDATES = 512  # keys the greedy knapsack tries, best ratio first

@@ -37,9 +37,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from math import gcd
 
-from solver.graph import CostGraph, NodeMode
-from solver.reduction import bounds, dominated_choices
-from solver.semantics import Evaluation, baseline_backward_flops, evaluate
+from optiremat.solver.graph import CostGraph, NodeMode
+from optiremat.solver.reduction import bounds, dominated_choices
+from optiremat.solver.semantics import Evaluation, baseline_backward_flops, evaluate
 
 # (variable index, polarity): (3, True) is x3, (3, False) is "not x3".
 Lit = tuple[int, bool]

@@ -1,9 +1,9 @@
 """The budget sweep: one place for the budgets, the warm-started solves and Pareto marks.
 
-``client.frontier.sweep`` (local) and the service's ``POST /v1/frontier`` both
+``optiremat.client.frontier.sweep`` (local) and the service's ``POST /v1/frontier`` both
 space budgets with ``spaced_budgets``, build points with ``point_fields`` and
 mark them with ``mark_pareto``. ``solve_budgets`` is the sweep itself: budgets
-in increasing order on one ``solver.solve.Sweep`` (one formulation and backend
+in increasing order on one ``optiremat.solver.solve.Sweep`` (one formulation and backend
 model for all of them), each solve started from the previous budget's plan. That
 plan fits every larger budget, so it is a hint and a FLOPs ceiling (an upper
 bound) for its neighbour: a search that would otherwise start from nothing
@@ -16,9 +16,9 @@ import threading
 from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
-from solver.graph import CostGraph
-from solver.solution import InfeasibleBudgetError, Solution, SolveOptions, SolveStatus
-from solver.solve import Sweep, solve
+from optiremat.solver.graph import CostGraph
+from optiremat.solver.solution import InfeasibleBudgetError, Solution, SolveOptions, SolveStatus
+from optiremat.solver.solve import Sweep, solve
 
 
 class ParetoPoint(Protocol):

@@ -5,7 +5,7 @@ primitive application; each *value* is one array it reads or writes. On the
 wire the graph is columnar: one list per field, node edges as CSR index arrays
 (``input_ptr``/``input_ids``, ``output_ptr``/``output_ids``) that hold value ids.
 
-Semantics (see ``solver.semantics``, the single executable definition):
+Semantics (see ``optiremat.solver.semantics``, the single executable definition):
 
 * every free node is either saved (runs only forward) or recomputed (staged
   into the backward pass too); ``mode`` fixes a node to one choice when the
@@ -87,7 +87,7 @@ class CostGraph(BaseModel):
     def _integer_costs(cls, data: object) -> object:
         # Pydantic runs "before" validators last-defined first: the version check wins.
         if isinstance(data, dict):
-            from solver.validation import check_raw_columns
+            from optiremat.solver.validation import check_raw_columns
 
             check_raw_columns(data)
         return data
@@ -106,7 +106,7 @@ class CostGraph(BaseModel):
 
     @model_validator(mode="after")
     def _consistent(self) -> CostGraph:
-        from solver.validation import check_graph
+        from optiremat.solver.validation import check_graph
 
         check_graph(self)
         return self

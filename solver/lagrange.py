@@ -33,8 +33,8 @@ from fractions import Fraction
 import numpy as np
 from ortools.graph.python import max_flow
 
-from solver.graph import CostGraph, NodeMode
-from solver.semantics import evaluate
+from optiremat.solver.graph import CostGraph, NodeMode
+from optiremat.solver.semantics import evaluate
 
 SCALE = 2**60  # finite capacities of one cut sum to at most this
 INFINITE = 2**62

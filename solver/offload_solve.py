@@ -1,7 +1,7 @@
 """The offload solve: save on device, offload to host, or recompute, by CP-SAT.
 
 It reuses the checkpointing formulation (``formulation.build``): offloading
-changes where a residual lives, not which values are needed (``solver.offload``),
+changes where a residual lives, not which values are needed (``optiremat.solver.offload``),
 so the needed/active/residual clauses stay as they are. Added per decision is
 ``offload[d] -> save[d]``, and per residual ``host[v] = residual[v] and
 offload[d]`` (two clauses, exact), so device bytes are the residual bytes less
@@ -28,14 +28,14 @@ from typing import Any, Literal
 import ortools
 from ortools.sat.python import cp_model
 
-from solver.backends import stop_when_set
-from solver.backends.cpsat import CpSatBackend, Incumbents, set_search_parameters
-from solver.formulation import Formulation, build
-from solver.graph import CostGraph
-from solver.offload import TRANSFERS_PER_BYTE, OffloadOptions, OffloadReport
-from solver.semantics import Evaluation, baseline_backward_flops, evaluate
-from solver.solution import InfeasibleBudgetError, Solution, SolveOptions, SolveStatus
-from solver.solve import PHASE2_WORK
+from optiremat.solver.backends import stop_when_set
+from optiremat.solver.backends.cpsat import CpSatBackend, Incumbents, set_search_parameters
+from optiremat.solver.formulation import Formulation, build
+from optiremat.solver.graph import CostGraph
+from optiremat.solver.offload import TRANSFERS_PER_BYTE, OffloadOptions, OffloadReport
+from optiremat.solver.semantics import Evaluation, baseline_backward_flops, evaluate
+from optiremat.solver.solution import InfeasibleBudgetError, Solution, SolveOptions, SolveStatus
+from optiremat.solver.solve import PHASE2_WORK
 
 INT64_SAFE = 2**62  # CP-SAT rejects linear expressions whose extremes may overflow int64
 

@@ -17,8 +17,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from solver.graph import CostGraph
-from solver.semantics import evaluate
+from optiremat.solver.graph import CostGraph
+from optiremat.solver.semantics import evaluate
 
 
 @dataclass(frozen=True)
@@ -65,7 +65,7 @@ def dominated_choices(graph: CostGraph, b: Bounds, tie: bool) -> dict[int, bool]
     chain rule, which also changes the producer's decision, applies only to
     nodes that decide alone (no key) with producers that decide alone.
     """
-    from solver.graph import NodeMode
+    from optiremat.solver.graph import NodeMode
 
     modes, keys, flops = graph.node_mode, graph.node_key, graph.node_flops
     outs, ins, producer = graph.node_outputs, graph.node_inputs, graph.producer

@@ -16,7 +16,7 @@ with its FLOPs and bytes multiplied by ``K - 1`` stands for all of them
 *exactly*, for every tied decision vector. The folded graph keeps the prefix,
 that representative, ``C_K`` (now reading the representative) and the suffix;
 the tied MILP on it has the optimum and bound of the full one, and
-``solver.solve`` still prices the answer on the full graph.
+``optiremat.solver.solve`` still prices the answer on the full graph.
 
 The conditions are checked, not assumed: the copies are identical node for
 node (policy key, primitive, FLOPs, mode, output bytes, backward reads, and
@@ -36,7 +36,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TypeVar, cast
 
-from solver.graph import CostGraph, NodeMode
+from optiremat.solver.graph import CostGraph, NodeMode
 
 T = TypeVar("T")
 

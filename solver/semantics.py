@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from solver.graph import CostGraph, NodeMode
+from optiremat.solver.graph import CostGraph, NodeMode
 
 
 @dataclass(frozen=True)

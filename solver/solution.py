@@ -9,8 +9,8 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictInt
 
-from solver.baselines import BaselineResult
-from solver.offload import OffloadOptions, OffloadReport
+from optiremat.solver.baselines import BaselineResult
+from optiremat.solver.offload import OffloadOptions, OffloadReport
 
 
 class SolveStatus(StrEnum):
@@ -46,7 +46,7 @@ class SolveOptions(BaseModel):
     # Evaluate JAX's built-in policies and the greedy knapsack on the graph and
     # report them in ``Solution.baselines``.
     compare_baselines: bool = Field(default=False, exclude_if=lambda v: v is False)
-    # Offload as a third choice (``solver.offload``): the budget then caps device
+    # Offload as a third choice (``optiremat.solver.offload``): the budget then caps device
     # residual bytes and the objective is estimated seconds.
     # (FastAPI leaves the null default out of the response schema: so does the request's.)
     offload: OffloadOptions | None = Field(
@@ -80,7 +80,7 @@ class Solution(BaseModel):
     solver_version: str
     solve_seconds: float = 0.0
     # With ``options.compare_baselines``: each baseline's cost and its distance
-    # from this plan (``solver.baselines``). Left out of the JSON when unset.
+    # from this plan (``optiremat.solver.baselines``). Left out of the JSON when unset.
     baselines: list[BaselineResult] | None = Field(default=None, exclude_if=lambda v: v is None)
     # With ``options.offload``: host bytes and estimated seconds. ``residual_bytes``
     # is then device bytes, and ``lower_bound_flops``/``gap`` are on the objective

@@ -12,8 +12,8 @@ feasible) returns whatever it had at that moment.
 Phase 1 starts from the best of a few plans that fit the budget: a caller's
 plan (``solve_from``; a sweep passes the neighbouring budget's), for an untied
 solve the tied optimum found in ``TIED_SHARE`` of the time limit and the
-plans of the Lagrangian walk (``solver.lagrange``), else the greedy knapsack
-(``solver.baselines``). The backend is hinted with it and cut off at its
+plans of the Lagrangian walk (``optiremat.solver.lagrange``), else the greedy knapsack
+(``optiremat.solver.baselines``). The backend is hinted with it and cut off at its
 FLOPs, so a search stopped early still answers with at least that plan, and an
 untied answer is never worse than the tied one. The walk's bound is valid for
 every untied plan: it stops the search at the first incumbent it proves within
@@ -22,7 +22,7 @@ reported bound when it beats the backend's. A model too big for the time left
 (``MILP_VARIABLES_PER_SECOND``) is not searched at all. ``direct=True`` skips
 the starts, the bound and the reductions: the reference model for tests and
 benchmarks. Tied solves of graphs with repeated layers run on the folded graph
-(``solver.repeats``).
+(``optiremat.solver.repeats``).
 
 Every plan a backend proposes is re-evaluated with ``semantics.evaluate``;
 reported bytes and FLOPs are those exact integers, never a solver's floats. A
@@ -41,14 +41,14 @@ from typing import Any
 
 import ortools
 
-from solver.backends import Goal, MilpBackend, Objective, Outcome, RawResult, make_backend
-from solver.baselines import compare, greedy_saves
-from solver.formulation import Formulation, build
-from solver.graph import CostGraph
-from solver.lagrange import CutModel, bound_and_plans
-from solver.repeats import Compressed, compress
-from solver.semantics import Evaluation, baseline_backward_flops, evaluate
-from solver.solution import (
+from optiremat.solver.backends import Goal, MilpBackend, Objective, Outcome, RawResult, make_backend
+from optiremat.solver.baselines import compare, greedy_saves
+from optiremat.solver.formulation import Formulation, build
+from optiremat.solver.graph import CostGraph
+from optiremat.solver.lagrange import CutModel, bound_and_plans
+from optiremat.solver.repeats import Compressed, compress
+from optiremat.solver.semantics import Evaluation, baseline_backward_flops, evaluate
+from optiremat.solver.solution import (
     Backend,
     InfeasibleBudgetError,
     Solution,
@@ -107,10 +107,10 @@ def _solve_offload(
     """The offload solve, on the folded graph when a tied plan's layers fold.
 
     Offloading moves a residual, it never changes what is needed, so the
-    folding argument (``solver.repeats``) holds for save/offload/recompute
+    folding argument (``optiremat.solver.repeats``) holds for save/offload/recompute
     decisions tied by key as it does for save/recompute.
     """
-    from solver.offload_solve import solve_offload
+    from optiremat.solver.offload_solve import solve_offload
 
     folded = compress(graph) if options.tie and not options.direct else None
     answer = solve_offload(graph if folded is None else folded.graph, budget, options,
@@ -124,7 +124,7 @@ def _unfold(graph: CostGraph, folded: Compressed, answer: Solution, budget: int,
             baseline: int) -> Solution:
     """The folded graph's answer on the full graph, priced there again: the two
     prices must agree to the byte and FLOP (device and host bytes alike)."""
-    from solver.offload_solve import evaluate_offload
+    from optiremat.solver.offload_solve import evaluate_offload
 
     update: dict[str, Any] = {"graph_hash": graph.content_hash}
     if answer.node_decisions:
@@ -197,7 +197,7 @@ def _search(
     cancel: threading.Event | None,
 ) -> _Search | _FoldedSearch:
     """The search for one request: on the folded graph when a tied plan's repeated
-    layers fold exactly (``solver.repeats``), else on the graph itself."""
+    layers fold exactly (``optiremat.solver.repeats``), else on the graph itself."""
     if options.tie and not options.direct:
         folded = compress(graph)
         if folded is not None:
@@ -257,7 +257,7 @@ class _Search:
         self._cut_bound, self._cut_proved = None, False
         if not self.options.direct and budget < full and not cancelled:
             # An untied search starts from the tied optimum and from the cut's
-            # plans, whose bound may prove one of them (``solver.lagrange``).
+            # plans, whose bound may prove one of them (``optiremat.solver.lagrange``).
             # Without any, the greedy knapsack (over policy keys) gives one in
             # well under a second, so the search always has an incumbent.
             if not self.options.tie:
@@ -546,7 +546,7 @@ class _Search:
 class _FoldedSearch:
     """A tied search on the graph with its repeated layers folded into one.
 
-    The folded graph has the same optimum and bound (``solver.repeats``); its
+    The folded graph has the same optimum and bound (``optiremat.solver.repeats``); its
     answer is unfolded onto the full graph and priced there (``_unfold``).
     """
 

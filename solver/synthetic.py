@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from math import prod
 
-from solver.graph import CostGraph, GraphBuilder
+from optiremat.solver.graph import CostGraph, GraphBuilder
 
 _DTYPE_BYTES = {"bfloat16": 2, "float32": 4}
 

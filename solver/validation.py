@@ -5,11 +5,11 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from solver.graph import CostGraph
+    from optiremat.solver.graph import CostGraph
 
 
 def _fail(msg: str) -> None:
-    from solver.graph import GraphError
+    from optiremat.solver.graph import GraphError
 
     raise GraphError(msg)
 

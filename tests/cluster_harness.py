@@ -87,7 +87,7 @@ class WorkerProcess:
     def launch(self) -> WorkerProcess:
         with self.log_path.open("ab") as log:
             self.process = subprocess.Popen(
-                [sys.executable, "-m", "client.cli", "worker"],
+                [sys.executable, "-m", "optiremat", "worker"],
                 cwd=REPO, env=self.env, stdout=log, stderr=subprocess.STDOUT,
             )
         return self

@@ -1,6 +1,6 @@
 """A real ``optiremat serve`` on loopback for the service tests, and graphs to send it.
 
-Each test module starts its own server (``python -m client.cli serve``) on a free
+Each test module starts its own server (``python -m optiremat serve``) on a free
 port with a temporary ``OPTIREMAT_DATA_DIR``; the server's log lines go to a file
 the tests can read.
 """
@@ -22,7 +22,7 @@ from typing import Any
 
 import httpx
 
-from solver.graph import CostGraph, GraphBuilder
+from optiremat.solver.graph import CostGraph, GraphBuilder
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -55,7 +55,7 @@ class Server:
         self.data_dir.mkdir(parents=True, exist_ok=True)
         with self.log_path.open("ab") as log:
             self.process = subprocess.Popen(
-                [sys.executable, "-m", "client.cli", "serve",
+                [sys.executable, "-m", "optiremat", "serve",
                  "--host", "127.0.0.1", "--port", str(self.port)],
                 cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT,
             )

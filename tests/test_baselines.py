@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import pytest
 
-from solver import GraphBuilder, max_useful_budget, min_feasible_budget, solve
-from solver.baselines import compare, greedy_saves, policy_saves
-from solver.semantics import evaluate
-from solver.synthetic import transformer_like
+from optiremat.solver import GraphBuilder, max_useful_budget, min_feasible_budget, solve
+from optiremat.solver.baselines import compare, greedy_saves, policy_saves
+from optiremat.solver.semantics import evaluate
+from optiremat.solver.synthetic import transformer_like
 
 
 @pytest.fixture(scope="module")
@@ -17,8 +17,8 @@ def stack():
 
 @pytest.mark.parametrize("name", ["mlp", "transformer_block", "conv_net"])
 def test_builtins_on_the_graph_cost_what_jax_measures(name: str) -> None:
-    from client import extract_graph
-    from client.frontier import builtin_points
+    from optiremat.client import extract_graph
+    from optiremat.client.frontier import builtin_points
     from tests.models import CORPUS
 
     fun, args = CORPUS[name]

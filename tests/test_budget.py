@@ -6,9 +6,9 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-import client
-from client.budget import HEADROOM, BudgetError, device_memory_bytes
-from client.measure import saved_residuals
+import optiremat
+from optiremat.client.budget import HEADROOM, BudgetError, device_memory_bytes
+from optiremat.client.measure import saved_residuals
 from tests.models import CORPUS
 
 KiB = 1024
@@ -23,7 +23,7 @@ def test_cpu_reports_no_memory_limit_and_auto_says_what_to_do_instead() -> None:
     assert jax.devices()[0].platform == "cpu"
     fun, args = mlp()
     with pytest.raises(BudgetError, match="device_memory=") as caught:
-        client.optimize(fun, *args, budget="auto")
+        optiremat.optimize(fun, *args, budget="auto")
     assert "cpu backend reports no memory limit" in str(caught.value)
     with pytest.raises(BudgetError):
         device_memory_bytes()
@@ -35,7 +35,7 @@ def test_auto_with_device_memory_solves_for_what_is_left() -> None:
     weight_bytes = sum(w.nbytes for w in weights)
     opt_state = jax.tree_util.tree_map(lambda w: jnp.zeros((2, *w.shape)), weights)  # Adam
     keywords = dict(device_memory="64KiB", optimizer_state=opt_state, argnums=(1, 2, 3))
-    budget = client.memory_budget(fun, *args, **keywords)
+    budget = optiremat.memory_budget(fun, *args, **keywords)
 
     assert budget.device_bytes == 64 * KiB
     assert budget.headroom_bytes == int(64 * KiB * HEADROOM + 0.999)
@@ -47,7 +47,7 @@ def test_auto_with_device_memory_solves_for_what_is_left() -> None:
                                       + budget.input_residual_bytes)
     assert "= residual budget" in budget.describe()
 
-    plan = client.optimize(fun, *args, budget="auto", **keywords)
+    plan = optiremat.optimize(fun, *args, budget="auto", **keywords)
     assert plan.budget_bytes == budget.residual_budget
     check = plan.verify(fun, *args)
     assert check.exact and check.within_budget
@@ -55,7 +55,7 @@ def test_auto_with_device_memory_solves_for_what_is_left() -> None:
 
 def test_arguments_the_backward_pass_always_reads_are_not_counted_twice() -> None:
     fun, args = mlp()
-    budget = client.memory_budget(fun, *args, device_memory="1MiB")
+    budget = optiremat.memory_budget(fun, *args, device_memory="1MiB")
     everything = jax.checkpoint(fun, policy=jax.checkpoint_policies.everything_saveable)
     from_arguments = sum(r.bytes for r in saved_residuals(everything, *args)
                          if r.source.startswith("from the argument"))
@@ -65,11 +65,11 @@ def test_arguments_the_backward_pass_always_reads_are_not_counted_twice() -> Non
 def test_donation_aliases_the_updated_parameters_and_optimizer_state() -> None:
     fun, args = mlp()
     weight_bytes = sum(w.nbytes for w in args[1:])
-    kept = client.memory_budget(fun, *args, device_memory="1MiB", argnums=(1, 2, 3),
+    kept = optiremat.memory_budget(fun, *args, device_memory="1MiB", argnums=(1, 2, 3),
                                 optimizer_state="8KiB")
-    donated = client.memory_budget(fun, *args, device_memory="1MiB", argnums=(1, 2, 3),
+    donated = optiremat.memory_budget(fun, *args, device_memory="1MiB", argnums=(1, 2, 3),
                                    optimizer_state="8KiB", donate_argnums=(1, 2, 3))
-    partly = client.memory_budget(fun, *args, device_memory="1MiB", argnums=(1, 2, 3),
+    partly = optiremat.memory_budget(fun, *args, device_memory="1MiB", argnums=(1, 2, 3),
                                   optimizer_state="8KiB", donate_argnums=(1,))
     assert kept.update_bytes == weight_bytes + 8 * KiB
     assert donated.update_bytes == 0
@@ -80,10 +80,10 @@ def test_donation_aliases_the_updated_parameters_and_optimizer_state() -> None:
 def test_too_little_memory_and_misused_keywords_are_clear_errors() -> None:
     fun, args = mlp()
     with pytest.raises(BudgetError, match="leaves no memory for residuals"):
-        client.memory_budget(fun, *args, device_memory="1KiB")
+        optiremat.memory_budget(fun, *args, device_memory="1KiB")
     with pytest.raises(TypeError, match="only apply to budget='auto'"):
-        client.optimize(fun, *args, budget="1MiB", device_memory="1GiB")
+        optiremat.optimize(fun, *args, budget="1MiB", device_memory="1GiB")
     with pytest.raises(ValueError, match="takes 4 arguments"):
-        client.memory_budget(fun, *args, device_memory="1MiB", donate_argnums=(7,))
+        optiremat.memory_budget(fun, *args, device_memory="1MiB", donate_argnums=(7,))
     with pytest.raises(ValueError, match="headroom"):
-        client.memory_budget(fun, *args, device_memory="1MiB", headroom=1.5)
+        optiremat.memory_budget(fun, *args, device_memory="1MiB", headroom=1.5)

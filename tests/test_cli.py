@@ -13,12 +13,12 @@ from pathlib import Path
 import jax
 import pytest
 
-from client.cli import main
-from client.measure import residual_bytes
-from client.planfile import load_plan
-from client.target import load_target
-from solver.graph import CostGraph
-from solver.solve import max_useful_budget, min_feasible_budget, solve
+from optiremat.cli import main
+from optiremat.client.measure import residual_bytes
+from optiremat.client.planfile import load_plan
+from optiremat.client.target import load_target
+from optiremat.solver.graph import CostGraph
+from optiremat.solver.solve import max_useful_budget, min_feasible_budget, solve
 from tests.service_harness import REPO, Server, running_server
 
 MODEL = textwrap.dedent("""
@@ -62,7 +62,7 @@ def test_extract_writes_the_graph_of_the_function_and_its_example_args(
         graph_file: Path, workdir: Path, capsys: pytest.CaptureFixture[str]) -> None:
     graph = CostGraph.model_validate_json(graph_file.read_bytes())
     fun, args = load_target(f"{workdir / 'cli_model.py'}:loss")
-    from client import extract_graph
+    from optiremat.client import extract_graph
     assert graph.content_hash == extract_graph(fun, *args).content_hash
     assert {"tanh", "sin", "dot_general"} <= set(graph.node_primitive)
 
@@ -168,7 +168,7 @@ def test_a_missing_example_args_is_explained(
 
 
 def test_help_reads_well_without_importing_jax() -> None:
-    script = ("import sys; from client.cli import main\n"
+    script = ("import sys; from optiremat.cli import main\n"
               "try: main(sys.argv[1:])\n"
               "except SystemExit: pass\n"
               "assert 'jax' not in sys.modules, 'the CLI imported JAX for --help'\n")

@@ -13,19 +13,26 @@ import jax.numpy as jnp
 import pytest
 from jax import lax
 
-import client.extract
-import client.plan
-from client import ExtractionError, KeyPolicy, PlanError, extract_graph, optimize, policy_key
-from client._jax_internals import _version_tuple
-from solver.solution import InfeasibleBudgetError
-from solver.solve import min_feasible_budget
-from solver.units import parse_bytes
+import optiremat.client.extract
+import optiremat.client.plan
+from optiremat.client import (
+    ExtractionError,
+    KeyPolicy,
+    PlanError,
+    extract_graph,
+    optimize,
+    policy_key,
+)
+from optiremat.client._jax_internals import _version_tuple
+from optiremat.solver.solution import InfeasibleBudgetError
+from optiremat.solver.solve import min_feasible_budget
+from optiremat.solver.units import parse_bytes
 from tests.models import CORPUS
 
 KEY_SCRIPT = textwrap.dedent("""
     import jax.numpy as jnp
     from tests.models import CORPUS
-    from client import extract_graph
+    from optiremat.client import extract_graph
     fun, args = CORPUS["transformer_block"]
     print(",".join(extract_graph(fun, *args).node_key))
 """)
@@ -133,7 +140,7 @@ def test_version_parsing_for_the_supported_range():
     assert _version_tuple("0.11.0.dev20261101") == (0, 11, 0)
 
 
-@pytest.mark.parametrize("module", [client.extract, client.plan])
+@pytest.mark.parametrize("module", [optiremat.client.extract, optiremat.client.plan])
 def test_docstring_examples_run(module):
     result = doctest.testmod(module, optionflags=doctest.ELLIPSIS)
     assert result.attempted > 0 and result.failed == 0

@@ -15,9 +15,9 @@ from typing import Any
 import httpx
 import pytest
 
-from solver.graph import CostGraph
-from solver.solve import max_useful_budget, min_feasible_budget
-from solver.synthetic import transformer_like
+from optiremat.solver.graph import CostGraph
+from optiremat.solver.solve import max_useful_budget, min_feasible_budget
+from optiremat.solver.synthetic import transformer_like
 from tests.cluster_harness import Cluster, running_cluster, wait_for
 from tests.service_harness import Server, body, layered, tangled
 

@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from service.cluster_store import (
+from optiremat.service.cluster_store import (
     JOB_TIMEOUT_MARGIN_S,
     decode_outcome,
     encode_outcome,
@@ -16,9 +16,9 @@ from service.cluster_store import (
     queue_name,
     reusable,
 )
-from service.config import Settings, redact_url
-from service.pool import Cancelled
-from service.worker import BudgetRange, Failed, Infeasible, Solved, solver_version
+from optiremat.service.config import Settings, redact_url
+from optiremat.service.pool import Cancelled
+from optiremat.service.worker import BudgetRange, Failed, Infeasible, Solved, solver_version
 from tests.service_harness import REPO
 
 OUTCOMES = [
@@ -63,7 +63,7 @@ def test_cluster_settings_come_from_optiremat_variables(monkeypatch: pytest.Monk
 
 def test_optiremat_worker_without_redis_says_what_to_set() -> None:
     env = {k: v for k, v in os.environ.items() if not k.startswith("OPTIREMAT_")}
-    done = subprocess.run([sys.executable, "-m", "client.cli", "worker"], cwd=REPO, env=env,
+    done = subprocess.run([sys.executable, "-m", "optiremat", "worker"], cwd=REPO, env=env,
                           capture_output=True, text=True, timeout=60)
     assert done.returncode == 2
     assert "OPTIREMAT_REDIS_URL" in done.stderr

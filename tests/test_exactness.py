@@ -16,12 +16,12 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from client import KeyPolicy, extract_graph, optimize
-from client.extract import graph_of_traced, trace
-from client.measure import backward_flops, residual_bytes, xla_backward_flops
-from solver.semantics import evaluate
-from solver.solution import InfeasibleBudgetError
-from solver.solve import max_useful_budget, min_feasible_budget
+from optiremat.client import KeyPolicy, extract_graph, optimize
+from optiremat.client.extract import graph_of_traced, trace
+from optiremat.client.measure import backward_flops, residual_bytes, xla_backward_flops
+from optiremat.solver.semantics import evaluate
+from optiremat.solver.solution import InfeasibleBudgetError
+from optiremat.solver.solve import max_useful_budget, min_feasible_budget
 from tests.models import CORPUS
 
 FRACTIONS = (0.0, 0.2, 0.45, 0.7, 1.0)

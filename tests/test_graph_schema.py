@@ -12,7 +12,7 @@ from collections.abc import Callable
 
 import pytest
 
-from solver import SCHEMA_VERSION, CostGraph, GraphBuilder
+from optiremat.solver import SCHEMA_VERSION, CostGraph, GraphBuilder
 
 
 def base() -> dict:

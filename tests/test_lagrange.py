@@ -14,10 +14,10 @@ from fractions import Fraction
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from solver import CostGraph, max_useful_budget, solve
-from solver.lagrange import CutModel, bound_and_plans
-from solver.semantics import baseline_backward_flops, evaluate
-from solver.synthetic import transformer_like
+from optiremat.solver import CostGraph, max_useful_budget, solve
+from optiremat.solver.lagrange import CutModel, bound_and_plans
+from optiremat.solver.semantics import baseline_backward_flops, evaluate
+from optiremat.solver.synthetic import transformer_like
 from tests.test_solver import graphs, optimum, plans
 
 PROPERTY = settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -71,7 +71,8 @@ def test_cut_bound_is_tight_on_a_transformer_and_proves_untied_plans() -> None:
 def test_without_time_for_a_search_the_answer_is_the_best_start_with_the_cut_bound(
     monkeypatch,
 ) -> None:
-    search_module = importlib.import_module("solver.solve")  # `solver.solve` is the function
+    # `optiremat.solver.solve` is the function; the module is what is patched
+    search_module = importlib.import_module("optiremat.solver.solve")
     g = transformer_like(6)
     budget = max_useful_budget(g) // 2
     searched = solve(g, budget, tie=False)

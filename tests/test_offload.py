@@ -20,17 +20,24 @@ import pytest
 from jax._src import core as jax_core
 from pydantic import ValidationError
 
-from client import optimize
-from client.keys import policy_key
-from client.measure import saved_residuals
-from client.plan import PlanError
-from client.planfile import PlanFile, load_plan
-from solver import GraphBuilder, InfeasibleBudgetError, NodeMode, Solution, SolveOptions, solve
-from solver.frontier import solve_budgets
-from solver.graph import CostGraph
-from solver.offload import DEFAULT_HOST_BANDWIDTH, OffloadOptions
-from solver.offload_solve import evaluate_offload
-from solver.semantics import baseline_backward_flops
+from optiremat.client import optimize
+from optiremat.client.keys import policy_key
+from optiremat.client.measure import saved_residuals
+from optiremat.client.plan import PlanError
+from optiremat.client.planfile import PlanFile, load_plan
+from optiremat.solver import (
+    GraphBuilder,
+    InfeasibleBudgetError,
+    NodeMode,
+    Solution,
+    SolveOptions,
+    solve,
+)
+from optiremat.solver.frontier import solve_budgets
+from optiremat.solver.graph import CostGraph
+from optiremat.solver.offload import DEFAULT_HOST_BANDWIDTH, OffloadOptions
+from optiremat.solver.offload_solve import evaluate_offload
+from optiremat.solver.semantics import baseline_backward_flops
 from tests.models import CORPUS
 from tests.service_harness import Server, body, running_server
 

@@ -7,16 +7,16 @@ from pathlib import Path
 
 import pytest
 
-import client
-from client.frontier import builtin_points, graph_builtin_points, spaced_budgets, sweep
-from client.plot import plot_frontier, plot_function
-from solver.solve import max_useful_budget, min_feasible_budget
+import optiremat
+from optiremat.client.frontier import builtin_points, graph_builtin_points, spaced_budgets, sweep
+from optiremat.client.plot import plot_frontier, plot_function
+from optiremat.solver.solve import max_useful_budget, min_feasible_budget
 from tests.models import CORPUS
 
 
 def test_sweep_spans_feasible_budgets_and_marks_the_pareto_plans() -> None:
     fun, args = CORPUS["transformer_block"]
-    graph = client.extract_graph(fun, *args)
+    graph = optiremat.extract_graph(fun, *args)
     result = sweep(graph, count=5)
     low, high = min_feasible_budget(graph), max_useful_budget(graph)
     assert (result.min_feasible_budget, result.max_useful_budget) == (low, high)
@@ -35,7 +35,7 @@ def test_sweep_spans_feasible_budgets_and_marks_the_pareto_plans() -> None:
 def test_builtins_a_graph_determines_match_what_jax_measures(name: str) -> None:
     fun, args = CORPUS[name]
     measured = builtin_points(fun, *args)
-    from_graph = graph_builtin_points(client.extract_graph(fun, *args))
+    from_graph = graph_builtin_points(optiremat.extract_graph(fun, *args))
     assert from_graph == {k: measured[k] for k in from_graph}
 
 
@@ -52,7 +52,7 @@ def test_plot_is_a_valid_png_or_svg(tmp_path: Path) -> None:
     width, height = image_size(png)
     assert (width, height) == (900, 576)  # 7.5 x 4.8 inches at 120 dpi
 
-    graph = client.extract_graph(fun, *args)
+    graph = optiremat.extract_graph(fun, *args)
     svg = plot_frontier(sweep(graph, count=3), tmp_path / "frontier.svg",
                         builtins=graph_builtin_points(graph))
     text = svg.read_text()

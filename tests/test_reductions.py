@@ -15,11 +15,18 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from solver import CostGraph, GraphBuilder, NodeMode, SolveStatus, max_useful_budget, solve
-from solver.formulation import build
-from solver.reduction import bounds, dominated_choices
-from solver.semantics import baseline_backward_flops, evaluate
-from solver.synthetic import transformer_like
+from optiremat.solver import (
+    CostGraph,
+    GraphBuilder,
+    NodeMode,
+    SolveStatus,
+    max_useful_budget,
+    solve,
+)
+from optiremat.solver.formulation import build
+from optiremat.solver.reduction import bounds, dominated_choices
+from optiremat.solver.semantics import baseline_backward_flops, evaluate
+from optiremat.solver.synthetic import transformer_like
 
 PROPERTY = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 

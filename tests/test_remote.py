@@ -16,12 +16,12 @@ from collections.abc import Iterator
 
 import pytest
 
-import client
-from client.errors import NotFound, ProblemError, RemoteInfeasibleBudget
-from client.frontier import sweep
-from client.remote import RematClient
-from solver.solution import InfeasibleBudgetError
-from solver.solve import max_useful_budget, min_feasible_budget
+import optiremat
+from optiremat.client.errors import NotFound, ProblemError, RemoteInfeasibleBudget
+from optiremat.client.frontier import sweep
+from optiremat.client.remote import RematClient
+from optiremat.solver.solution import InfeasibleBudgetError
+from optiremat.solver.solve import max_useful_budget, min_feasible_budget
 from tests.flaky_proxy import FlakyProxy
 from tests.models import CORPUS
 from tests.service_harness import REPO, Server, running_server
@@ -42,7 +42,7 @@ def remote(server: Server) -> Iterator[RematClient]:
 
 
 def midpoint(fun, args) -> int:
-    graph = client.extract_graph(fun, *args)
+    graph = optiremat.extract_graph(fun, *args)
     return (min_feasible_budget(graph) + max_useful_budget(graph)) // 2
 
 
@@ -51,7 +51,7 @@ def test_remote_plan_equals_local_plan_and_jax_saves_what_it_predicts(
         remote: RematClient, name: str) -> None:
     fun, args = CORPUS[name]
     budget = midpoint(fun, args)
-    local = client.optimize(fun, *args, budget=budget, **OPTIONS)
+    local = optiremat.optimize(fun, *args, budget=budget, **OPTIONS)
     plan = remote.optimize(fun, *args, budget=budget, **OPTIONS)
 
     assert type(plan) is type(local)
@@ -67,7 +67,7 @@ def test_remote_plan_equals_local_plan_and_jax_saves_what_it_predicts(
 def test_remote_untied_plan_solves_its_names_form_on_the_server(
         remote: RematClient, server: Server) -> None:
     fun, args = CORPUS["mlp"]
-    local = client.optimize(fun, *args, budget=9_000, tie=False, **OPTIONS)
+    local = optiremat.optimize(fun, *args, budget=9_000, tie=False, **OPTIONS)
     plan = remote.optimize(fun, *args, budget=9_000, tie=False, **OPTIONS)
     assert plan.names.names == local.names.names
     assert plan.names.solution.fingerprint() == local.names.solution.fingerprint()
@@ -77,7 +77,7 @@ def test_remote_untied_plan_solves_its_names_form_on_the_server(
 def test_an_infeasible_budget_raises_like_the_local_path_with_the_servers_message(
         remote: RematClient) -> None:
     fun, args = CORPUS["mlp"]
-    floor = min_feasible_budget(client.extract_graph(fun, *args))
+    floor = min_feasible_budget(optiremat.extract_graph(fun, *args))
     with pytest.raises(InfeasibleBudgetError) as caught:
         remote.optimize(fun, *args, budget=floor - 1)
     err = caught.value
@@ -141,7 +141,7 @@ def test_a_server_that_never_answers_fails_after_the_retries() -> None:
     proxy = FlakyProxy(1)  # never listens
     try:
         with RematClient(proxy.url, retries=1, backoff_s=0.01) as dead, \
-                pytest.raises(client.ConnectionFailed, match="ConnectError"):
+                pytest.raises(optiremat.ConnectionFailed, match="ConnectError"):
             dead.solve(_mlp_graph(), 10**9)
     finally:
         proxy.close()
@@ -149,12 +149,12 @@ def test_a_server_that_never_answers_fails_after_the_retries() -> None:
 
 def test_jobs_submit_wait_and_frontier_match_the_local_answers(remote: RematClient) -> None:
     fun, args = _mlp()
-    graph = client.extract_graph(fun, *args)
+    graph = optiremat.extract_graph(fun, *args)
     budget = midpoint(fun, args)
     job = remote.submit(graph, budget, **OPTIONS)
     assert job.graph_hash == graph.content_hash
     solved = remote.wait(job, progress=False)
-    assert solved.fingerprint() == client.optimize(fun, *args, budget=budget,
+    assert solved.fingerprint() == optiremat.optimize(fun, *args, budget=budget,
                                                    **OPTIONS).solution.fingerprint()
     assert remote.job(job.id).status == "succeeded"
     as_job = remote.optimize(fun, *args, budget=budget, job=True, progress=False, **OPTIONS)
@@ -175,15 +175,15 @@ def test_auto_budget_works_remotely_with_device_memory(remote: RematClient) -> N
     fun, args = _mlp()
     plan = remote.optimize(fun, *args, budget="auto", device_memory="40KiB", argnums=(1, 2, 3),
                            **OPTIONS)
-    expected = client.memory_budget(fun, *args, device_memory="40KiB", argnums=(1, 2, 3))
+    expected = optiremat.memory_budget(fun, *args, device_memory="40KiB", argnums=(1, 2, 3))
     assert plan.budget_bytes == expected.residual_budget
     assert plan.verify(fun, *args).within_budget
 
 
 WAIT_SCRIPT = textwrap.dedent("""
     import sys
-    from client.remote import RematClient
-    from solver.solve import max_useful_budget, min_feasible_budget
+    from optiremat.client.remote import RematClient
+    from optiremat.solver.solve import max_useful_budget, min_feasible_budget
     from tests.service_harness import tangled
     # A solve that finds plans at once but cannot prove one optimal in its time limit.
     graph = tangled(20, 8, seed=int(sys.argv[2]), name="progress")
@@ -236,4 +236,4 @@ def _mlp():
 
 def _mlp_graph():
     fun, args = CORPUS["mlp"]
-    return client.extract_graph(fun, *args)
+    return optiremat.extract_graph(fun, *args)

@@ -1,6 +1,6 @@
 """Folding repeated layers keeps every tied plan's cost, and so the tied optimum.
 
-``solver.repeats`` replaces copies 2 .. m-3 of a repeated layer by copy 1 with
+``optiremat.solver.repeats`` replaces copies 2 .. m-3 of a repeated layer by copy 1 with
 its FLOPs and bytes multiplied. The claim is exactness for *every* tied decision
 vector, which random stacks check plan by plan against the full graph, and
 brute force over all key subsets checks for the optimum at every budget.
@@ -15,7 +15,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from solver import (
+from optiremat.solver import (
     CostGraph,
     GraphBuilder,
     InfeasibleBudgetError,
@@ -23,9 +23,9 @@ from solver import (
     min_feasible_budget,
     solve,
 )
-from solver.repeats import Repeats, compress, find_repeats, why_not_folded
-from solver.semantics import baseline_backward_flops, evaluate
-from solver.synthetic import transformer_like
+from optiremat.solver.repeats import Repeats, compress, find_repeats, why_not_folded
+from optiremat.solver.semantics import baseline_backward_flops, evaluate
+from optiremat.solver.synthetic import transformer_like
 
 PROPERTY = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
@@ -99,7 +99,7 @@ def test_folded_graph_prices_every_tied_plan_like_the_full_one(
 
 
 def _whole(g: CostGraph, copies: int):  # only to name the reason in a failure message
-    from solver.repeats import Repeats
+    from optiremat.solver.repeats import Repeats
 
     return Repeats(1, (g.num_nodes - 2) // copies, copies)
 
@@ -191,14 +191,14 @@ def test_a_keyless_node_in_a_copy_blocks_folding() -> None:
 
 
 def _copies_of_two(g: CostGraph):
-    from solver.repeats import Repeats
+    from optiremat.solver.repeats import Repeats
 
     return Repeats(0, 2, g.num_nodes // 2)
 
 
 @pytest.mark.parametrize("bandwidth", [10**13, 10**9], ids=["cheap link", "dear link"])
 def test_offload_solves_fold_too_and_keep_the_optimum(bandwidth: int) -> None:
-    from solver.offload import OffloadOptions
+    from optiremat.solver.offload import OffloadOptions
 
     g = transformer_like(6)
     assert compress(g) is not None

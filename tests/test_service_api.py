@@ -13,8 +13,8 @@ from typing import Any
 import httpx
 import pytest
 
-from solver.solution import Solution, SolveOptions
-from solver.solve import max_useful_budget, min_feasible_budget, solve
+from optiremat.solver.solution import Solution, SolveOptions
+from optiremat.solver.solve import max_useful_budget, min_feasible_budget, solve
 from tests.service_harness import Server, body, chain, layered, metric, running_server
 
 

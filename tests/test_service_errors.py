@@ -10,7 +10,7 @@ from typing import Any
 import httpx
 import pytest
 
-from solver.solve import min_feasible_budget
+from optiremat.solver.solve import min_feasible_budget
 from tests.service_harness import Server, body, chain, running_server
 
 MAX_BODY = 200_000

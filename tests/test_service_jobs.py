@@ -11,10 +11,10 @@ from typing import Any
 import httpx
 import pytest
 
-from solver.semantics import recompute_flops
-from solver.solution import Solution
-from solver.solve import max_useful_budget, min_feasible_budget
-from solver.synthetic import transformer_like
+from optiremat.solver.semantics import recompute_flops
+from optiremat.solver.solution import Solution
+from optiremat.solver.solve import max_useful_budget, min_feasible_budget
+from optiremat.solver.synthetic import transformer_like
 from tests.service_harness import Server, body, chain, layered, metric, running_server, tangled
 
 

@@ -18,9 +18,9 @@ from schemathesis.specs.openapi.checks import (
     status_code_conformance,
 )
 
-from service.config import Settings
-from service.main import create_app
-from service.openapi import render
+from optiremat.service.config import Settings
+from optiremat.service.main import create_app
+from optiremat.service.openapi import render
 from tests.service_harness import REPO, Server, running_server
 
 OPENAPI = REPO / "openapi.json"
@@ -28,17 +28,17 @@ OPENAPI = REPO / "openapi.json"
 
 def test_openapi_json_is_the_apps_schema() -> None:
     assert OPENAPI.read_text() == render(create_app(Settings())), (
-        "openapi.json is stale: run `.venv/bin/python -m service.openapi`"
+        "openapi.json is stale: run `.venv/bin/python -m optiremat.service.openapi`"
     )
 
 
 def test_the_service_never_imports_jax() -> None:
     code = (
         "import sys\n"
-        "import service, service.main, service.worker, service.openapi\n"
+        "import optiremat.service.main, optiremat.service.worker, optiremat.service.openapi\n"
         "from service.config import Settings\n"
-        "service.main.create_app(Settings()).openapi()\n"
-        "import solver\n"
+        "optiremat.service.main.create_app(Settings()).openapi()\n"
+        "import optiremat, optiremat.solver\n"
         "print(sorted(m for m in sys.modules if m == 'jax' or m.startswith('jax.')))\n"
     )
     out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True,
@@ -48,10 +48,10 @@ def test_the_service_never_imports_jax() -> None:
 
 def test_the_cli_does_not_import_jax() -> None:
     # -X importtime lists every module the command imported
-    out = subprocess.run([sys.executable, "-X", "importtime", "-m", "client.cli", "--help"],
+    out = subprocess.run([sys.executable, "-X", "importtime", "-m", "optiremat", "--help"],
                          cwd=REPO, capture_output=True, text=True, check=True)
     imported = {line.rsplit("|", 1)[-1].strip() for line in out.stderr.splitlines()}
-    assert "client.cli" in imported or "usage: optiremat" in out.stdout
+    assert "optiremat.cli" in imported or "usage: optiremat" in out.stdout
     assert not {m for m in imported if m == "jax" or m.startswith("jax.")}
 
 

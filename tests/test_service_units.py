@@ -13,13 +13,13 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
-from service.config import Settings
-from service.middleware import BodyDecodingMiddleware
-from service.models import FrontierPoint
-from service.solving import _mark_pareto
-from service.store import Store
-from service.worker import BudgetRange, Infeasible, Solved
-from solver.solution import SolveStatus
+from optiremat.service.config import Settings
+from optiremat.service.middleware import BodyDecodingMiddleware
+from optiremat.service.models import FrontierPoint
+from optiremat.service.solving import _mark_pareto
+from optiremat.service.store import Store
+from optiremat.service.worker import BudgetRange, Infeasible, Solved
+from optiremat.solver.solution import SolveStatus
 
 
 def test_settings_come_from_optiremat_variables(monkeypatch: pytest.MonkeyPatch,

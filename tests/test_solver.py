@@ -16,7 +16,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from solver import (
+from optiremat.solver import (
     Backend,
     CostGraph,
     GraphBuilder,
@@ -30,9 +30,9 @@ from solver import (
     min_feasible_budget,
     solve,
 )
-from solver.formulation import build
-from solver.semantics import baseline_backward_flops
-from solver.synthetic import transformer_like
+from optiremat.solver.formulation import build
+from optiremat.solver.semantics import baseline_backward_flops
+from optiremat.solver.synthetic import transformer_like
 
 BACKENDS = [Backend.CPSAT, Backend.SCIP]
 PROPERTY = settings(

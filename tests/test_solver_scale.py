@@ -6,7 +6,7 @@ import threading
 
 import pytest
 
-from solver import (
+from optiremat.solver import (
     InfeasibleBudgetError,
     Solution,
     SolveOptions,
@@ -14,10 +14,10 @@ from solver import (
     min_feasible_budget,
     solve,
 )
-from solver.frontier import solve_budgets, spaced_budgets
-from solver.solution import SolveStatus
-from solver.solve import solve_from
-from solver.synthetic import transformer_like
+from optiremat.solver.frontier import solve_budgets, spaced_budgets
+from optiremat.solver.solution import SolveStatus
+from optiremat.solver.solve import solve_from
+from optiremat.solver.synthetic import transformer_like
 
 
 @pytest.fixture(scope="module")

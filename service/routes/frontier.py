@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from fastapi import APIRouter, Depends, Request
 
-from service.deps import (
+from optiremat.service.deps import (
     ManagerDep,
     SettingsDep,
     cap_time_limit,
@@ -13,10 +13,10 @@ from service.deps import (
     request_body,
     require_api_key,
 )
-from service.models import Frontier, FrontierRequest
-from service.problems import problem_responses
-from service.routes.solve import raise_for_outcome
-from service.solving import frontier as sweep
+from optiremat.service.models import Frontier, FrontierRequest
+from optiremat.service.problems import problem_responses
+from optiremat.service.routes.solve import raise_for_outcome
+from optiremat.service.solving import frontier as sweep
 
 router = APIRouter(prefix="/v1", tags=["frontier"], dependencies=[Depends(require_api_key)])
 

@@ -5,9 +5,9 @@ from __future__ import annotations
 from fastapi import APIRouter, Request
 from starlette.responses import Response
 
-from service.deps import ManagerDep
-from service.models import Health, Readiness
-from service.problems import problem_responses
+from optiremat.service.deps import ManagerDep
+from optiremat.service.models import Health, Readiness
+from optiremat.service.problems import problem_responses
 
 router = APIRouter(tags=["health"])
 

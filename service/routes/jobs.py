@@ -5,7 +5,7 @@ from __future__ import annotations
 from fastapi import APIRouter, Depends, Request
 from starlette.responses import Response
 
-from service.deps import (
+from optiremat.service.deps import (
     ManagerDep,
     SettingsDep,
     cap_time_limit,
@@ -14,8 +14,8 @@ from service.deps import (
     request_body,
     require_api_key,
 )
-from service.models import Job, JobStatus, SolveRequest
-from service.problems import ProblemError, problem_responses
+from optiremat.service.models import Job, JobStatus, SolveRequest
+from optiremat.service.problems import ProblemError, problem_responses
 
 router = APIRouter(prefix="/v1/jobs", tags=["jobs"], dependencies=[Depends(require_api_key)])
 

@@ -7,7 +7,7 @@ import hashlib
 from fastapi import APIRouter, Depends, Request
 from starlette.responses import Response
 
-from service.deps import (
+from optiremat.service.deps import (
     ManagerDep,
     SettingsDep,
     cap_time_limit,
@@ -16,12 +16,17 @@ from service.deps import (
     request_body,
     require_api_key,
 )
-from service.models import SolveRequest
-from service.pool import Cancelled, Interrupted, Outcome
-from service.problems import SOLVE_CANCELLED, SOLVE_FAILED, ProblemError, problem_responses
-from service.solving import infeasible_problem
-from service.worker import Failed, Infeasible, Solved
-from solver.solution import Solution
+from optiremat.service.models import SolveRequest
+from optiremat.service.pool import Cancelled, Interrupted, Outcome
+from optiremat.service.problems import (
+    SOLVE_CANCELLED,
+    SOLVE_FAILED,
+    ProblemError,
+    problem_responses,
+)
+from optiremat.service.solving import infeasible_problem
+from optiremat.service.worker import Failed, Infeasible, Solved
+from optiremat.solver.solution import Solution
 
 router = APIRouter(prefix="/v1", tags=["solve"], dependencies=[Depends(require_api_key)])
 

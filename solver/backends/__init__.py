@@ -16,8 +16,8 @@ from dataclasses import dataclass
 from enum import StrEnum
 from typing import Protocol
 
-from solver.formulation import Formulation
-from solver.solution import Backend
+from optiremat.solver.formulation import Formulation
+from optiremat.solver.solution import Backend
 
 CANCEL_POLL_S = 0.02  # how soon a cancel request reaches a running solver
 
@@ -83,10 +83,10 @@ class MilpBackend(Protocol):
 
 def make_backend(kind: Backend, formulation: Formulation) -> MilpBackend:
     if kind == Backend.CPSAT:
-        from solver.backends.cpsat import CpSatBackend
+        from optiremat.solver.backends.cpsat import CpSatBackend
 
         return CpSatBackend(formulation)
-    from solver.backends.scip import ScipBackend
+    from optiremat.solver.backends.scip import ScipBackend
 
     return ScipBackend(formulation)
 

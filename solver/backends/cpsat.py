@@ -7,7 +7,7 @@ import time
 
 from ortools.sat.python import cp_model
 
-from solver.backends import (
+from optiremat.solver.backends import (
     Goal,
     IncumbentCallback,
     Objective,
@@ -15,7 +15,7 @@ from solver.backends import (
     RawResult,
     stop_when_set,
 )
-from solver.formulation import Formulation
+from optiremat.solver.formulation import Formulation
 
 SEED = 0
 

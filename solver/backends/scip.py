@@ -16,7 +16,7 @@ import time
 
 from ortools.linear_solver import pywraplp
 
-from solver.backends import (
+from optiremat.solver.backends import (
     Goal,
     IncumbentCallback,
     Objective,
@@ -24,7 +24,7 @@ from solver.backends import (
     RawResult,
     stop_when_set,
 )
-from solver.formulation import Formulation
+from optiremat.solver.formulation import Formulation
 
 TOLERANCE = 1e-9  # feasibility and epsilon; sums are small after gcd scaling
 DUAL_TOLERANCE = 1e-7  # SCIP's default; tighter asks SoPlex for more than it offers

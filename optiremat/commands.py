@@ -1,6 +1,6 @@
 """The client's subcommands of ``optiremat``: extract, solve, frontier, explain.
 
-Nothing heavy is imported at module level (``client.cli`` imports this for
+Nothing heavy is imported at module level (``optiremat.cli`` imports this for
 ``--help``); each command imports JAX, the solver or matplotlib when it runs.
 """
 
@@ -15,7 +15,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from solver.units import format_bytes
+from optiremat.solver.units import format_bytes
 
 EPILOG = """\
 a typical session:
@@ -122,7 +122,7 @@ def _options(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def _remote(args: argparse.Namespace):
-    from client.remote import RematClient
+    from optiremat.client.remote import RematClient
 
     return RematClient(args.server, api_key=os.environ.get("OPTIREMAT_API_KEY"))
 
@@ -133,11 +133,11 @@ def _reporting_errors(run: Run) -> Run:
     def wrapped(args: argparse.Namespace) -> int:
         from pydantic import ValidationError
 
-        from client.budget import BudgetError
-        from client.errors import RemoteError
-        from client.target import TargetError
-        from solver.graph import GraphError
-        from solver.solution import InfeasibleBudgetError
+        from optiremat.client.budget import BudgetError
+        from optiremat.client.errors import RemoteError
+        from optiremat.client.target import TargetError
+        from optiremat.solver.graph import GraphError
+        from optiremat.solver.solution import InfeasibleBudgetError
 
         try:
             return run(args)
@@ -150,7 +150,7 @@ def _reporting_errors(run: Run) -> Run:
 
 
 def _read_graph(path: str):
-    from solver.graph import CostGraph
+    from optiremat.solver.graph import CostGraph
 
     return CostGraph.model_validate_json(Path(path).read_bytes())
 
@@ -159,8 +159,8 @@ def _read_graph(path: str):
 
 
 def _extract(args: argparse.Namespace) -> int:
-    from client.extract import extract_graph
-    from client.target import load_target
+    from optiremat.client.extract import extract_graph
+    from optiremat.client.target import load_target
 
     fun, fun_args = load_target(args.target, args.args)
     graph = extract_graph(fun, *fun_args)
@@ -172,9 +172,9 @@ def _extract(args: argparse.Namespace) -> int:
 
 
 def _solve(args: argparse.Namespace) -> int:
-    from client.planfile import PlanFile
-    from solver.solve import solve
-    from solver.units import parse_bytes
+    from optiremat.client.planfile import PlanFile
+    from optiremat.solver.solve import solve
+    from optiremat.solver.units import parse_bytes
 
     graph = _read_graph(args.graph)
     budget = parse_bytes(args.budget)
@@ -193,15 +193,15 @@ def _solve(args: argparse.Namespace) -> int:
 
 
 def _frontier(args: argparse.Namespace) -> int:
-    from client.frontier import builtin_points, graph_builtin_points, sweep
+    from optiremat.client.frontier import builtin_points, graph_builtin_points, sweep
 
     if Path(args.source).is_file() or args.source.endswith(".json"):
         graph = _read_graph(args.source)
         builtins = graph_builtin_points(graph)
         title = graph.name
     else:
-        from client.extract import extract_graph
-        from client.target import load_target
+        from optiremat.client.extract import extract_graph
+        from optiremat.client.target import load_target
 
         fun, fun_args = load_target(args.source, args.args)
         graph = extract_graph(fun, *fun_args)
@@ -225,14 +225,14 @@ def _frontier(args: argparse.Namespace) -> int:
         print(f"{name:>34} {format_bytes(point.residual_bytes):>12} "
               f"{point.recompute_flops:>16,}")
     if args.plot:
-        from client.plot import plot_frontier
+        from optiremat.client.plot import plot_frontier
 
         print(f"wrote {plot_frontier(result, args.plot, builtins=builtins, title=title)}")
     return 0
 
 
 def _explain(args: argparse.Namespace) -> int:
-    from client.planfile import load_plan
+    from optiremat.client.planfile import load_plan
 
     plan = load_plan(args.plan)
     graph, sol = plan.graph, plan.solution

@@ -10,14 +10,14 @@ import argparse
 import sys
 from collections.abc import Callable
 
-from client.commands import add_commands  # imports nothing heavy: commands import lazily
+from optiremat.commands import add_commands  # imports nothing heavy: commands import lazily
 
 
 def _serve(args: argparse.Namespace) -> int:
     from pydantic import ValidationError
 
-    from service.config import Settings
-    from service.main import serve
+    from optiremat.service.config import Settings
+    from optiremat.service.main import serve
 
     overrides = {name: value for name, value in (("host", args.host), ("port", args.port))
                  if value is not None}
@@ -34,7 +34,7 @@ def _serve(args: argparse.Namespace) -> int:
 def _worker(args: argparse.Namespace) -> int:
     from pydantic import ValidationError
 
-    from service.config import Settings
+    from optiremat.service.config import Settings
 
     try:
         settings = Settings()
@@ -46,7 +46,7 @@ def _worker(args: argparse.Namespace) -> int:
         print("optiremat worker: set OPTIREMAT_REDIS_URL (e.g. redis://localhost:6379/0)",
               file=sys.stderr)
         return 2
-    from service.cluster_worker import work
+    from optiremat.service.cluster_worker import work
 
     return work(settings, burst=args.burst)
 
@@ -87,6 +87,3 @@ def main(argv: list[str] | None = None) -> int:
     run: Callable[[argparse.Namespace], int] = args.run
     return run(args)
 
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -1,0 +1,110 @@
+"""optiremat: optimal activation checkpointing for JAX.
+
+``optiremat.optimize(fun, *args, budget=...)`` traces ``fun``, solves the
+checkpointing MILP and returns a ``Plan``; ``RematClient`` does the same with a
+server's solver. The package has three parts: ``optiremat.solver`` (the cost
+graph and the MILP; pydantic and OR-Tools), ``optiremat.client`` (extraction
+from JAX, plans, the remote client) and ``optiremat.service`` (the REST API).
+
+The solver's names are imported here eagerly. The client's names are imported
+on first use: the service and the CLI import this package too, and they must
+not load JAX (0.9 s and 80 MB more per worker process, measured), nor need it
+installed (the service image has no JAX). Type checkers see every name.
+"""
+
+from __future__ import annotations
+
+from importlib import import_module
+from typing import TYPE_CHECKING, Any
+
+from optiremat.solver import (
+    SCHEMA_VERSION,
+    CostGraph,
+    GraphError,
+    InfeasibleBudgetError,
+    OffloadOptions,
+    Solution,
+    SolveOptions,
+    SolveStatus,
+    solve,
+)
+
+if TYPE_CHECKING:
+    from optiremat.client import (
+        BudgetError,
+        ConnectionFailed,
+        ExtractionError,
+        Frontier,
+        KeyPolicy,
+        MemoryBudget,
+        NamesForm,
+        Plan,
+        PlanError,
+        PlanFile,
+        ProblemError,
+        RematClient,
+        RemoteError,
+        Verification,
+        extract_graph,
+        load_plan,
+        memory_budget,
+        optimize,
+        plot_frontier,
+        policy_key,
+        sweep,
+    )
+
+__all__ = [
+    "SCHEMA_VERSION",
+    "BudgetError",
+    "ConnectionFailed",
+    "CostGraph",
+    "ExtractionError",
+    "Frontier",
+    "GraphError",
+    "InfeasibleBudgetError",
+    "KeyPolicy",
+    "MemoryBudget",
+    "NamesForm",
+    "OffloadOptions",
+    "Plan",
+    "PlanError",
+    "PlanFile",
+    "ProblemError",
+    "RematClient",
+    "RemoteError",
+    "Solution",
+    "SolveOptions",
+    "SolveStatus",
+    "Verification",
+    "extract_graph",
+    "load_plan",
+    "memory_budget",
+    "optimize",
+    "plot_frontier",
+    "policy_key",
+    "solve",
+    "sweep",
+]
+# What __getattr__ imports from optiremat.client on first use.
+_CLIENT_NAMES = frozenset(__all__) - frozenset(globals())
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _CLIENT_NAMES:
+        raise AttributeError(f"module 'optiremat' has no attribute {name!r}")
+    try:
+        client = import_module("optiremat.client")
+    except ModuleNotFoundError as exc:
+        if exc.name not in ("jax", "jaxlib"):
+            raise
+        raise ImportError(
+            f"optiremat.{name} needs JAX, which is not installed here: "
+            "pip install 'optiremat[client]'") from exc
+    value = getattr(client, name)
+    globals()[name] = value  # later lookups skip this function
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | _CLIENT_NAMES)
