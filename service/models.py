@@ -10,6 +10,7 @@ from pydantic import BaseModel, ConfigDict, Field, StrictInt, model_validator
 
 from optiremat.service.problems import Problem
 from optiremat.solver.graph import CostGraph, GraphBuilder
+from optiremat.solver.peak import resolve_memory
 from optiremat.solver.solution import Solution, SolveOptions, SolveStatus
 
 NonNegInt = Annotated[StrictInt, Field(ge=0)]
@@ -39,8 +40,15 @@ class SolveRequest(BaseModel):
     ]})
 
     graph: CostGraph
-    budget_bytes: NonNegInt = Field(description="Residual memory budget in bytes.")
+    budget_bytes: NonNegInt = Field(
+        description="Budget in bytes: the peak of the training step for a graph that carries "
+                    "its step, else residual bytes (options.memory chooses).")
     options: SolveOptions = Field(default_factory=SolveOptions)
+
+    @model_validator(mode="after")
+    def _memory_fits_the_graph(self) -> SolveRequest:
+        resolve_memory(self.graph, self.options.memory)  # a clear 422 before any solve
+        return self
 
 
 class JobStatus(StrEnum):
@@ -97,6 +105,7 @@ class FrontierRequest(BaseModel):
 
     @model_validator(mode="after")
     def _budgets_or_count(self) -> FrontierRequest:
+        resolve_memory(self.graph, self.options.memory)
         if (self.budgets is None) == (self.count is None):
             raise ValueError("give exactly one of 'budgets' (a list) or 'count' (an integer)")
         return self
@@ -106,6 +115,9 @@ class FrontierPoint(BaseModel):
     budget_bytes: int
     status: SolveStatus
     residual_bytes: int | None = None
+    peak_bytes: int | None = Field(
+        default=None, description="The predicted peak of the training step (a step's graph)."
+    )
     recompute_flops: int | None = None
     pareto: bool = Field(
         default=False, description="No other point has both fewer bytes and fewer FLOPs."
