@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import jax
 import numpy as np
@@ -23,10 +23,14 @@ import numpy as np
 from optiremat.client import _jax_internals as jx
 from optiremat.client.cost_model import aval_bytes, eqn_flops
 from optiremat.client.keys import policy_key
+from optiremat.client.placement import Region, RegionMarker, find_regions, place
+from optiremat.client.step import Step
 from optiremat.solver.graph import CostGraph, GraphBuilder, NodeMode
 from optiremat.solver.semantics import evaluate
+from optiremat.solver.step import RegionMemory, StepMemory
 
 NAME_PREFIX = "optiremat/"
+HALF_FLOATS = frozenset({"bfloat16", "float16"})
 
 
 class ExtractionError(ValueError):
@@ -92,9 +96,24 @@ class _TangentGraph:
         return sorted({v for n in live_n for v in self.primal_reads[n]})
 
 
+# How a known equation's decision is fixed: FREE leaves it to the solver.
+Decide = Callable[[jx.core.JaxprEqn], NodeMode]
+
+
+def save_everything(eqn: jx.core.JaxprEqn) -> NodeMode:
+    """Outside every checkpoint ``jax.vjp`` keeps what the backward pass reads."""
+    return NodeMode.SAVE
+
+
 @dataclass(frozen=True)
 class Context:
     loops: tuple[tuple[int, int], ...] = ()  # (scan id, length) from outermost in
+    decide: Decide = save_everything  # who decides the known equations met here
+    # Inside a jax.checkpoint, scans follow partial_eval_jaxpr_custom (the primal
+    # carry is rebuilt in the backward pass); outside, jax.vjp's linearization
+    # (the forward scan keeps its carries and stacks what the backward reads).
+    under_checkpoint: bool = True
+    region: int | None = None  # the plan's region being walked (step graphs)
 
     def stacked(self, varying: frozenset[int]) -> int:
         """How many times a value or an equation exists: once per iteration of
@@ -103,11 +122,10 @@ class Context:
         return math.prod(length for loop, length in self.loops if loop in varying)
 
     def enter(self, loop_id: int, length: int) -> Context:
-        return Context((*self.loops, (loop_id, length)))
+        return replace(self, loops=(*self.loops, (loop_id, length)))
 
-
-# How a known equation's decision is fixed: FREE leaves it to the solver.
-Decide = Callable[[jx.core.JaxprEqn], NodeMode]
+    def checkpointed(self, decide: Decide) -> Context:
+        return replace(self, decide=decide, under_checkpoint=True)
 
 
 def decide_by_policy(eqn: jx.core.JaxprEqn) -> NodeMode:
@@ -132,13 +150,19 @@ class _Walker:
     names_by_key: dict[str, str] = field(default_factory=dict)  # checkpoint_name equations
     tie_groups: list[set[str]] = field(default_factory=list)  # keys that share one decision
     next_cond: int = 0
+    # XLA on CPU computes half-precision floats in f32 and widens stacked half
+    # residuals for the backward pass: each costs about its size again (bench/peak.py).
+    widen_stacked_halves: bool = False
 
     # ---- values and nodes -------------------------------------------------
 
     def new_value(self, aval, varying: frozenset[int], ctx: Context) -> int:
-        return self.builder.value(aval_bytes(aval) * ctx.stacked(varying),
-                                  tuple(getattr(aval, "shape", ())),
-                                  str(getattr(aval, "dtype", "")))
+        copies = ctx.stacked(varying)
+        nbytes = aval_bytes(aval) * copies
+        dtype = str(getattr(aval, "dtype", ""))
+        widened = self.widen_stacked_halves and copies > 1 and dtype in HALF_FLOATS
+        return self.builder.value(nbytes, tuple(getattr(aval, "shape", ())), dtype,
+                                  extra=nbytes if widened else 0)
 
     def node(self, eqn, ins: Sequence[Ref], ctx: Context, mode: NodeMode, key: str,
              flops: int) -> list[Ref]:
@@ -150,6 +174,7 @@ class _Walker:
             [r.value for r in outs],
             key=key, flops=flops * ctx.stacked(varying), mode=mode,
             repeat=ctx.stacked(varying), source=jx.source_of(eqn), batch_dims=_batch_dims(eqn),
+            region=ctx.region,
         )
         return outs
 
@@ -165,7 +190,7 @@ class _Walker:
         outs = [self.new_value(a, varying, ctx) for a in out_avals]
         self.builder.node(name, sorted({v for v in inputs if v is not None}), outs, key=key,
                           flops=flops * ctx.stacked(varying), mode=mode,
-                          repeat=ctx.stacked(varying), source=source)
+                          repeat=ctx.stacked(varying), source=source, region=ctx.region)
         return outs
 
     def staged(self, refs: Sequence[Ref], num_out: int,
@@ -205,15 +230,30 @@ class _Walker:
         flops = eqn_flops(eqn)
         if jx.has_effects(eqn):  # always kept in the forward pass, whatever the policy says
             return self.node(eqn, refs, ctx, NodeMode.SAVE, "", flops)
+        mode = ctx.decide(eqn)
+        if ctx.decide is not self.decide:  # no policy of the plan is offered this equation
+            return self.node(eqn, refs, ctx, mode, "", flops)
         key = policy_key(eqn.primitive, [x.aval for x in eqn.invars], eqn.params)
         if eqn.primitive is jx.name_p:
             self.names_by_key[key] = eqn.params["name"]
-        return self.node(eqn, refs, ctx, self.decide(eqn), key, flops)
+        return self.node(eqn, refs, ctx, mode, key, flops)
 
     # ---- rules: call-like primitives are flattened --------------------------
 
     def call_rule(self, eqn, refs: Sequence[Ref], ctx: Context) -> list[Ref]:
         return self.walk(_called_jaxpr(eqn), refs, ctx)
+
+    def checkpoint_rule(self, eqn, refs: Sequence[Ref], ctx: Context) -> list[Ref]:
+        """A checkpoint inside a checkpointed function is flattened into it. Outside
+        any (a plan's step graph), a region's checkpoint hands its equations to
+        the solver and a user's own checkpoint fixes them by its policy."""
+        if ctx.under_checkpoint:
+            return self.call_rule(eqn, refs, ctx)
+        policy = eqn.params["policy"]
+        if isinstance(policy, RegionMarker):
+            inner = replace(ctx.checkpointed(self.decide), region=policy.index)
+            return self.walk(_called_jaxpr(eqn), refs, inner)
+        return self.walk(_called_jaxpr(eqn), refs, ctx.checkpointed(_decide_by(policy)))
 
     # ---- scan: the body once, stacked over the length ---------------------
 
@@ -227,19 +267,28 @@ class _Walker:
         loop = self.next_loop
         self.next_loop += 1
         inner = ctx.enter(loop, length)
+        region = _placed_region(body)
+        if region is not None:  # the plan's region: its stacked carries belong to it too
+            inner = replace(inner, region=region)
         here = frozenset({loop})
 
         carry_in: list[Ref] = []
         for ref, known, var in zip(init, carry_known, body.invars[n_consts:n_consts + n_carry],
                                    strict=True):
             if not known:
-                (t,) = self.staged([ref], 1)
-                carry_in.append(t)
+                if ref.known:
+                    # A known value in a tangent slot is a zero the JVP instantiated
+                    # for the carry fixpoint: JAX builds it in the backward pass.
+                    carry_in.append(Ref(self.tangents.node([], [], 1)[0], False))
+                else:
+                    (t,) = self.staged([ref], 1)
+                    carry_in.append(t)
                 continue
-            # The staged scan rebuilds the primal carry from the initial value.
+            # Under a checkpoint the staged scan rebuilds the primal carry from the
+            # initial value; under jax.vjp the forward scan keeps it per iteration.
             varying = ref.varying | here
             (v,) = self.virtual("scan_carry", [ref.value], [var.aval], varying, inner,
-                                source=jx.source_of(eqn))
+                                source=jx.source_of(eqn), mode=_primal_mode(ctx))
             carry_in.append(Ref(v, True, varying))
         xs_in = [Ref(r.value, True, r.varying | here) if r.known else r for r in xs]
         outs = self.walk(body, [*consts, *carry_in, *xs_in], inner)
@@ -249,8 +298,11 @@ class _Walker:
             if cout.value is None:
                 continue
             if cin.known:
-                self.builder.carry_in.append(cin.value)
-                self.builder.carry_out.append(cout.value)
+                # Only a staged scan that rebuilds the primal carry needs carry_out
+                # whenever it needs carry_in; under jax.vjp the carry is kept.
+                if ctx.under_checkpoint:
+                    self.builder.carry_in.append(cin.value)
+                    self.builder.carry_out.append(cout.value)
             else:
                 self.tangents.carries.append((cin.value, cout.value))
         # Primal outputs of a scan are instantiated: the staged scan recomputes them.
@@ -261,7 +313,7 @@ class _Walker:
                 continue
             varying = ref.varying - here
             (v,) = self.virtual("scan_output", [ref.value], [var.aval], varying, ctx,
-                                source=jx.source_of(eqn))
+                                source=jx.source_of(eqn), mode=_primal_mode(ctx))
             results.append(Ref(v, True, varying))
         return results
 
@@ -276,14 +328,17 @@ class _Walker:
         residuals merged across branches as JAX merges them) or all recomputed
         (the staged branches rerun from the operands). Names graphs fix the
         branches to what a names policy does: names saved, the rest recomputed.
+        Outside every checkpoint (a plan's step graph) jax.vjp keeps what the
+        staged branches read: the branches are saved and no policy is offered them.
         """
         index, ops = refs[0], refs[1:]
         if not index.known:
             return self.staged(refs, len(eqn.outvars))
         _reject_nested_control_flow(eqn)
-        tied = self.branch_decide is None
+        unoffered = not ctx.under_checkpoint
+        tied = self.branch_decide is None and not unoffered
         varying = frozenset().union(*(r.varying for r in refs))
-        fixed = _fixed_save if tied else self.branch_decide
+        fixed = _fixed_save if tied or unoffered else self.branch_decide
         saved = [_BranchSummary.of(b.jaxpr, ops, fixed) for b in eqn.params["branches"]]
         out_known = [all(b.out_known[k] for b in saved) for k in range(len(eqn.outvars))]
         sinks = [None, *(k for k, known in enumerate(out_known) if known)]
@@ -318,6 +373,9 @@ class _Walker:
             # branches is charged even when no residual slot exists.
             token = self.builder.value(0, (), "token")
             self.builder.nodes[-1]["outputs"].append(token)
+        elif unoffered:
+            slots = self.virtual("cond_residuals", [], slot_avals, varying, ctx,
+                                 mode=NodeMode.SAVE, source=source) if slot_avals else []
         else:
             for b in saved:
                 self.branch_nodes.extend(b.keyed_nodes)
@@ -343,7 +401,8 @@ class _Walker:
             (marker,) = self.virtual("cond_backward", tangent_vals,
                                      [jax.core.ShapedArray((), np.bool_)], varying, ctx,
                                      flops=tangent_flops,
-                                     key="" if tied else "cond_backward", source=source)
+                                     key="" if tied or unoffered else "cond_backward",
+                                     source=source)
             tangent_outs = self.staged([r for r in ops if not r.known],
                                        len(out_known) - sum(out_known), [marker])
         results = []
@@ -353,8 +412,8 @@ class _Walker:
                 continue
             vals, flops = needs(k)
             (v,) = self.virtual("cond_output", vals, [var.aval], varying, ctx,
-                                flops=max(flops - tangent_flops, 0),
-                                key="" if tied else "cond_output", source=source)
+                                flops=max(flops - tangent_flops, 0), mode=_primal_mode(ctx),
+                                key="" if tied or unoffered else "cond_output", source=source)
             results.append(Ref(v, True, varying))
         return results
 
@@ -370,7 +429,7 @@ class _Walker:
         varying = frozenset().union(*(r.varying for r in refs))
         outs = self.virtual("while", [r.value for r in refs], [v.aval for v in eqn.outvars],
                             varying, ctx, flops=eqn_flops(eqn),
-                            source=jx.source_of(eqn))
+                            source=jx.source_of(eqn), mode=_primal_mode(ctx))
         return [Ref(v, True, varying) for v in outs]
 
 
@@ -380,12 +439,40 @@ RULES: dict[str, Callable[[_Walker, object, Sequence[Ref], Context], list[Ref]]]
     "closed_call": _Walker.call_rule,
     "core_call": _Walker.call_rule,
     "call": _Walker.call_rule,
-    "remat2": _Walker.call_rule,
-    "checkpoint": _Walker.call_rule,
+    "remat2": _Walker.checkpoint_rule,
+    "checkpoint": _Walker.checkpoint_rule,
     "scan": _Walker.scan_rule,
     "cond": _Walker.cond_rule,
     "while": _Walker.while_rule,
 }
+
+
+def _placed_region(body: jx.Jaxpr) -> int | None:
+    """The region a scan's body was checkpointed as by ``client.placement``, if any."""
+    for eqn in body.eqns:
+        policy = eqn.params.get("policy") if eqn.primitive.name in ("remat2", "checkpoint") \
+            else None
+        if isinstance(policy, RegionMarker):
+            return policy.index
+    return None
+
+
+def _primal_mode(ctx: Context) -> NodeMode:
+    """Primal values a control-flow rule produces: rebuilt in the backward pass
+    under a checkpoint, kept by the forward pass under jax.vjp."""
+    return NodeMode.RECOMPUTE if ctx.under_checkpoint else NodeMode.SAVE
+
+
+def _decide_by(policy) -> Decide:
+    """A user's own checkpoint outside the plan's regions: its policy fixes each equation."""
+    def decide(eqn) -> NodeMode:
+        if jx.has_effects(eqn):
+            return NodeMode.SAVE
+        answer = policy(eqn.primitive, *[x.aval for x in eqn.invars], **eqn.params)
+        # Offloaded values are kept too, in host memory.
+        saved = answer is True or answer is jx.Saveable or isinstance(answer, jx.Offloadable)
+        return NodeMode.SAVE if saved else NodeMode.RECOMPUTE
+    return decide
 
 
 def _called_jaxpr(eqn) -> jx.Jaxpr:
@@ -422,7 +509,7 @@ def _known_outputs(jaxpr: jx.Jaxpr, known_in: Sequence[bool]) -> list[bool]:
     for eqn in jaxpr.eqns:
         ins = [read(x) for x in eqn.invars]
         name = eqn.primitive.name
-        if RULES.get(name) is _Walker.call_rule:
+        if RULES.get(name) in (_Walker.call_rule, _Walker.checkpoint_rule):
             outs = _known_outputs(_called_jaxpr(eqn), ins)
         elif name == "scan":
             p = eqn.params
@@ -488,7 +575,7 @@ class _BranchSummary:
             v = b.input(aval_bytes(var.aval), tuple(var.aval.shape), str(var.aval.dtype))
             operand_inputs[v] = i
             ins.append(Ref(v, True))
-        outs = walker.walk(jaxpr, ins, Context())
+        outs = walker.walk(jaxpr, ins, Context(decide=decide))
         walker.finish(outs)
         keyed = [n for n in b.nodes if n["key"]]
         forced = {n["key"] for n in keyed if n["mode"] == NodeMode.SAVE}
@@ -585,12 +672,13 @@ def trace(fun: Callable, args: Sequence, kwargs: dict) -> Traced:
                   out_tree_box[-1], len(closed.consts), flat_args)
 
 
-def _differentiated(traced: Traced) -> list[bool]:
-    """Which inputs get tangents under ``jax.grad``/``vjp``: float arguments, not consts."""
-    avals = traced.closed.in_avals
-    return [False] * traced.num_consts + [
-        bool(jax.numpy.issubdtype(a.dtype, jax.numpy.inexact)) for a in avals[traced.num_consts:]
-    ]
+def _differentiated(traced: Traced, arguments: Sequence[bool] | None) -> list[bool]:
+    """Which inputs get tangents: the ``arguments`` flagged (every float argument
+    when None, as ``jax.vjp`` does), never consts."""
+    avals = traced.closed.in_avals[traced.num_consts:]
+    if arguments is None:
+        arguments = [bool(jax.numpy.issubdtype(a.dtype, jax.numpy.inexact)) for a in avals]
+    return [False] * traced.num_consts + list(arguments)
 
 
 @dataclass(frozen=True)
@@ -602,13 +690,26 @@ class Extraction:
     key_aliases: dict[str, frozenset[str]] = field(default_factory=dict)
 
 
-def graph_of_traced(traced: Traced, *, names: bool = False, name: str = "") -> Extraction:
-    """The cost graph of ``traced``; with ``names``, as ``save_only_these_names`` sees it."""
-    nonzeros = _differentiated(traced)
+def graph_of_traced(traced: Traced, *, names: bool = False, name: str = "", step: bool = False,
+                    differentiated: Sequence[bool] | None = None,
+                    step_memory: StepMemory | None = None) -> Extraction:
+    """The cost graph of ``traced``; with ``names``, as ``save_only_these_names`` sees it.
+
+    By default the whole function is under one ``jax.checkpoint``. With ``step``
+    it is differentiated as it stands (``traced`` is a placed function: its
+    regions' checkpoints carry ``RegionMarker`` policies): the plan's policy is
+    offered the equations of the regions only. ``differentiated`` flags the
+    arguments that get tangents (default: every float argument). ``step_memory``
+    travels with the graph, which then plans peak budgets.
+    """
+    nonzeros = _differentiated(traced, differentiated)
     jvp, jvp_consts = jx.jvp_jaxpr(traced.closed, nonzeros)
     b = GraphBuilder(name)
+    b.step = step_memory
     decide = decide_by_names if names else decide_by_policy
-    walker = _Walker(b, decide, decide_by_names_fixed if names else None)
+    walker = _Walker(b, decide, decide_by_names_fixed if names else None,
+                     widen_stacked_halves=step_memory is not None
+                     and jax.default_backend() == "cpu")
     refs: list[Ref] = []
     for c in jvp_consts:
         aval = jax.core.get_aval(c)
@@ -616,7 +717,8 @@ def graph_of_traced(traced: Traced, *, names: bool = False, name: str = "") -> E
     for aval in traced.closed.in_avals:
         refs.append(Ref(b.input(aval_bytes(aval), tuple(aval.shape), str(aval.dtype)), True))
     refs.extend(Ref(t, False) for t in walker.tangents.node([], [], sum(nonzeros)))
-    walker.finish(walker.walk(jvp, refs, Context()))
+    top = Context(under_checkpoint=False) if step else Context(decide=walker.decide)
+    walker.finish(walker.walk(jvp, refs, top))
     # Equations inside cond branches are offered to the policy too; they appear
     # as fixed nodes whose outputs nothing reads, so the plan's policy knows
     # their keys, and every node sharing such a key takes the same decision.
@@ -632,6 +734,45 @@ def graph_of_traced(traced: Traced, *, names: bool = False, name: str = "") -> E
             if n["key"] in keys:
                 n["key"] = representative
     return Extraction(b.build(), dict(walker.names_by_key), aliases)
+
+
+@dataclass(frozen=True)
+class StepExtraction:
+    """The graph of a training step whose regions the plan decides."""
+
+    extraction: Extraction  # its graph carries the step's memory (CostGraph.step)
+    regions: tuple[Region, ...]
+    differentiated: tuple[bool, ...]  # per flattened argument: whether the step differentiates it
+
+    @property
+    def graph(self) -> CostGraph:
+        return self.extraction.graph
+
+
+def step_extraction(fun: Callable, args: Sequence, step: Step, *,
+                    name: str = "") -> StepExtraction:
+    """The cost graph of ``step`` (``jax.jit(jax.grad(fun, argnums))``) with a remat
+    region in every differentiated ``lax.scan`` (``client.placement``), and what
+    the step holds and each region's working set (one compile per distinct layer)."""
+    from optiremat.client.calibration import working_bytes
+
+    step.check(args)
+    traced = trace(fun, args, {})
+    flags = step.differentiated(args)
+    closed = jx.ClosedJaxpr(traced.open_jaxpr, traced.consts)
+    regions = tuple(find_regions(closed, flags))
+    markers = [RegionMarker(r.index) for r in regions]
+
+    def marked(*leaves):
+        return place(closed, leaves, regions, markers, flags)
+
+    arguments, outputs, aliases = step.held_memory(args)
+    memory = StepMemory(argument_bytes=arguments, output_bytes=outputs, alias_bytes=aliases,
+                        regions=[RegionMemory(source=r.source, length=r.length,
+                                              working_bytes=working_bytes(r)) for r in regions])
+    extraction = graph_of_traced(trace(marked, traced.flat_args, {}), name=name, step=True,
+                                 differentiated=flags, step_memory=memory)
+    return StepExtraction(extraction, regions, tuple(flags))
 
 
 def _merge_tie_groups(groups: Sequence[set[str]]) -> dict[str, frozenset[str]]:
@@ -657,6 +798,16 @@ def _fixed_recompute(eqn) -> NodeMode:
 def decide_by_names_fixed(eqn) -> NodeMode:
     """Inside cond branches a names policy saves exactly the named values."""
     return NodeMode.SAVE if eqn.primitive is jx.name_p else NodeMode.RECOMPUTE
+
+
+def extract_step(fun: Callable, *args, argnums: int | Sequence[int] = 0,
+                 donate_argnums: int | Sequence[int] = ()) -> CostGraph:
+    """The cost graph of the training step ``jax.jit(jax.grad(fun, argnums))`` at
+    ``args``: a remat region in every differentiated ``lax.scan``, and what the step
+    holds (one compile per distinct layer measures its working set). Solving it
+    plans peak budgets; ``optiremat.optimize`` is this and a solve."""
+    name = getattr(fun, "__qualname__", getattr(fun, "__name__", ""))
+    return step_extraction(fun, args, Step.of(argnums, donate_argnums), name=name).graph
 
 
 def extract_graph(fun: Callable, *args, **kwargs) -> CostGraph:
