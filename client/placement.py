@@ -34,16 +34,14 @@ import jax.numpy as jnp
 from jax import lax
 
 from optiremat.client import _jax_internals as jx
+from optiremat.client.primitives import Role, info
 
 if TYPE_CHECKING:
     from optiremat.client.step import Step
 
-# Equations whose body runs where they stand: regions inside them are placed.
-CALL_PRIMITIVES = frozenset({"jit", "pjit", "closed_call", "core_call"})
-CHECKPOINT_PRIMITIVES = frozenset({"remat2", "checkpoint"})
 # Control flow whose body JAX may run a data-dependent number of times: a scan
 # inside one cannot be given a static place (nor a predictable peak).
-UNPLACEABLE_PARENTS = frozenset({"cond", "while"})
+UNPLACEABLE_PARENTS = {Role.COND: "cond", Role.WHILE: "while_loop"}
 
 Policy = Callable[..., object]
 
@@ -84,7 +82,8 @@ class RegionMarker:
 
 
 def _called(eqn) -> jx.ClosedJaxpr:
-    inner = eqn.params.get("jaxpr", eqn.params.get("call_jaxpr"))
+    """The body of a call-like equation, with its consts."""
+    inner = eqn.params[info(eqn.primitive).body]
     return inner if isinstance(inner, jx.ClosedJaxpr) else jx.ClosedJaxpr(inner, ())
 
 
@@ -103,10 +102,10 @@ def _walk(jaxpr: jx.Jaxpr, differentiated: Sequence[bool], found: list[Region],
 
     for eqn in jaxpr.eqns:
         ins = [read(x) for x in eqn.invars]
-        name = eqn.primitive.name
-        if name in CALL_PRIMITIVES:
+        role = info(eqn.primitive).role
+        if role == Role.CALL:
             outs = _walk(_called(eqn).jaxpr, ins, found, inside)
-        elif name == "scan" and any(ins):
+        elif role == Role.SCAN and any(ins):
             if inside is not None:
                 raise PlacementError(
                     f"a differentiated lax.scan at {jx.source_of(eqn)} sits inside a {inside}: "
@@ -114,9 +113,9 @@ def _walk(jaxpr: jx.Jaxpr, differentiated: Sequence[bool], found: list[Region],
                     f"{inside}, or plan with memory='residuals'.")
             found.append(_region(len(found), eqn, ins))
             outs = _differentiated_outputs(eqn, ins)
-        elif name in UNPLACEABLE_PARENTS and any(ins):
+        elif role in UNPLACEABLE_PARENTS and any(ins):
             for sub in _subjaxprs(eqn):
-                _walk(sub, [True] * len(sub.invars), found, name)
+                _walk(sub, [True] * len(sub.invars), found, UNPLACEABLE_PARENTS[role])
             outs = _differentiated_outputs(eqn, ins)
         else:
             outs = _differentiated_outputs(eqn, ins)
@@ -131,7 +130,7 @@ def _region(index: int, eqn, differentiated: Sequence[bool]) -> Region:
 
 
 def _subjaxprs(eqn) -> list[jx.Jaxpr]:
-    if eqn.primitive.name == "cond":
+    if info(eqn.primitive).role == Role.COND:
         return [b.jaxpr for b in eqn.params["branches"]]
     return [eqn.params["body_jaxpr"].jaxpr, eqn.params["cond_jaxpr"].jaxpr]
 
@@ -173,11 +172,11 @@ class _Placer:
         for eqn in jaxpr.eqns:
             invals = [read(x) for x in eqn.invars]
             ins = [flag(x) for x in eqn.invars]
-            name = eqn.primitive.name
-            if name in CALL_PRIMITIVES and self._has_region(eqn, ins):
+            role = info(eqn.primitive).role
+            if role == Role.CALL and self._has_region(eqn, ins):
                 inner = _called(eqn)
                 outs = self.eval(inner.jaxpr, inner.consts, invals, ins)
-            elif name == "scan" and any(ins):
+            elif role == Role.SCAN and any(ins):
                 outs = self._placed_scan(eqn, invals, ins)
             else:
                 outs = jx.bind_equation(eqn, invals)
@@ -233,7 +232,7 @@ def _inline_checkpoints(jaxpr: jx.Jaxpr, consts: Sequence, args: Sequence) -> li
 
     for eqn in jaxpr.eqns:
         invals = [read(x) for x in eqn.invars]
-        if eqn.primitive.name in CHECKPOINT_PRIMITIVES:
+        if info(eqn.primitive).role == Role.CHECKPOINT:
             inner = _called(eqn)
             outs = _inline_checkpoints(inner.jaxpr, inner.consts, invals)
         else:
