@@ -104,6 +104,32 @@ def frontier(model: Model, points: int) -> dict:
     return {"errors": errors, "fits": fits, "points": len(errors), "rises": rises}
 
 
+def nested() -> None:
+    """64 Llama-style layers: the plan's smallest peak against hand-written nesting."""
+    fun, args = llama(layers=64, d=128, ffn=344, heads=4, kv_heads=2, batch=8, seq=256)
+    step = Step.of(0)
+    extracted = step_extraction(fun, args, step)
+    placement = Placement(extracted.regions, extracted.differentiated, step)
+
+    def temp(applied) -> int:
+        return step.function(applied).lower(*args).compile().memory_analysis().temp_size_in_bytes
+
+    nothing = KeyPolicy(frozenset())
+    per_layer = temp(placement.apply(fun, nothing, [1]))
+    hand = {k: temp(placement.apply(fun, nothing, [k])) for k in (4, 8, 16)}
+    floor = min_feasible_budget(extracted.graph)
+    plan = solve(extracted.graph, floor)
+    keys = frozenset(plan.saved_keys)
+    planned = temp(placement.apply(fun, KeyPolicy(keys), plan.groups or [1]))
+    best = min(hand.values())
+    print(f"\n## nested groups, 64 Llama-style layers (temp bytes of the compiled step)\n"
+          f"per layer, nothing_saveable {format_bytes(per_layer)}; by hand in groups of "
+          + ", ".join(f"{64 // k}: {format_bytes(t)}" for k, t in hand.items())
+          + f"\nthe plan at its smallest peak ({format_bytes(floor)}, groups {plan.groups}): "
+          f"{format_bytes(planned)} = {planned / best:.3f}x the best by hand, "
+          f"{planned / per_layer:.3f}x per layer")
+
+
 def eight_billion() -> None:
     fun, shapes = llama(layers=32, d=4096, ffn=14336, heads=32, kv_heads=8, batch=1, seq=8192,
                         dtype=jnp.bfloat16, abstract=True)
@@ -147,6 +173,7 @@ def main() -> None:
     print(f"\n## all: prediction error {min(errors):+.1%} .. {max(errors):+.1%}; within budget "
           f"{sum(r['fits'] for r in results)}/{sum(r['points'] for r in results)}; "
           f"rises {sum(r['rises'] for r in results)}")
+    nested()
     if not opts.no_8b:
         eight_billion()
 

@@ -64,11 +64,25 @@ def peak_breakdown(graph: CostGraph, solution: Solution, evaluation: Evaluation)
              row("gradients", step.output_bytes, "the step's outputs")]
     if step.alias_bytes:
         lines.append(row("- donated", step.alias_bytes, "gradients written over arguments"))
+    groups = solution.groups or [1] * len(step.regions)
     for k, region in enumerate(step.regions):
         per_layer = per_region[k] // region.length
-        lines.append(row(f"residuals, region {k}", per_region[k],
-                         f"{format_bytes(per_layer)} per layer x {region.length} layers "
-                         f"(lax.scan at {region.source})"))
+        where = f"(lax.scan at {region.source})"
+        if groups[k] == 1:
+            lines.append(row(f"residuals, region {k}", per_region[k],
+                             f"{format_bytes(per_layer)} per layer x {region.length} layers, a "
+                             f"checkpoint per layer {where}"))
+            continue
+        layers = region.length // groups[k]
+        lines += [
+            row(f"residuals, region {k}", per_region[k] // groups[k],
+                f"one group's: {format_bytes(per_layer)} per layer x {layers} layers, "
+                f"{groups[k]} rematerialised groups {where}"),
+            row("  group inputs", groups[k] * region.carry_bytes,
+                f"{format_bytes(region.carry_bytes)} x {groups[k]} groups"),
+            row("  parameter slices", layers * region.slice_bytes,
+                "one group's parameters and gradients, copied per group"),
+        ]
     if per_region[-1] or not step.regions:
         lines.append(row("residuals, elsewhere", per_region[-1], "outside every region"))
     if step.regions:

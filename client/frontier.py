@@ -81,7 +81,7 @@ def sweep(graph: CostGraph, budgets: Sequence[int] | None = None,
     if budgets is None:
         if count is None:
             raise ValueError("give budgets or count")
-        low = min_feasible_budget(graph, resolved.tie, resolved.memory)
+        low = min_feasible_budget(graph, resolved.tie, resolved.memory, resolved.nest)
         high = max_useful_budget(graph, resolved.memory)
         budgets = spaced_budgets(low, high, count) + [b for b in also if low <= b <= high]
     results = solve_budgets(graph, budgets, resolved)

@@ -204,6 +204,13 @@ class Plan:
         return self.solution.peak_bytes
 
     @property
+    def groups(self) -> tuple[int, ...] | None:
+        """Per region, its layers in that many rematerialised groups (1: per layer)."""
+        if self.placement is None:
+            return None
+        return tuple(self.solution.groups or [1] * len(self.placement.regions))
+
+    @property
     def residual_bytes(self) -> int:
         """Residual bytes on the device (all of them without offload), arguments included."""
         return self.solution.residual_bytes
@@ -289,7 +296,7 @@ class Plan:
         """
         if self.placement is None:
             return self.checkpoint(fun)
-        return self.placement.apply(fun, self.policy)
+        return self.placement.apply(fun, self.policy, self.solution.groups)
 
     # ---- explaining and checking -------------------------------------------
 

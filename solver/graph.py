@@ -98,6 +98,10 @@ class CostGraph(BaseModel):
     value_extra_bytes: list[NonNegInt] | None = Field(
         default=None, exclude_if=lambda v: v is None
     )
+    # Version 2: per value, the region whose scan stacks it over its layers (-1: none).
+    value_region: list[Annotated[StrictInt, Field(ge=-1)]] | None = Field(
+        default=None, exclude_if=lambda v: v is None
+    )
 
     @model_validator(mode="before")
     @classmethod
@@ -184,6 +188,7 @@ class GraphBuilder:
         self.name = name
         self.step: StepMemory | None = None
         self.extra_bytes: list[int] = []
+        self.value_regions: list[int] = []
         self.values: list[tuple[int, list[int], str]] = []
         self.nodes: list[dict] = []
         self.inputs: list[int] = []
@@ -192,9 +197,10 @@ class GraphBuilder:
         self.carry_out: list[int] = []
 
     def value(self, nbytes: int, shape: tuple[int, ...] = (), dtype: str = "",
-              extra: int = 0) -> int:
+              extra: int = 0, region: int | None = None) -> int:
         self.values.append((int(nbytes), [int(d) for d in shape], dtype))
         self.extra_bytes.append(int(extra))
+        self.value_regions.append(-1 if region is None else region)
         return len(self.values) - 1
 
     def input(self, nbytes: int, shape: tuple[int, ...] = (), dtype: str = "") -> int:
@@ -270,4 +276,5 @@ class GraphBuilder:
                 if self.step is not None else None
             ),
             value_extra_bytes=list(self.extra_bytes) if any(self.extra_bytes) else None,
+            value_region=list(self.value_regions) if self.step is not None else None,
         )

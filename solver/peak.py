@@ -32,13 +32,24 @@ residuals.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from optiremat.solver.graph import CostGraph, GraphError
 from optiremat.solver.semantics import evaluate
 from optiremat.solver.solution import InfeasibleBudgetError, Solution, SolveOptions
-from optiremat.solver.step import Memory
+from optiremat.solver.step import Memory, StepMemory
+
+
+def nesting_bytes(step: StepMemory, groups: Sequence[int]) -> int:
+    """What the regions' layers in ``groups`` rematerialised groups hold beyond one group's
+    stacked residuals (``solver.nesting``): each group's input, and one group's slice of
+    the stacked parameters and their gradients, which the outer scan copies."""
+    held = 0
+    for region, k in zip(step.regions, groups, strict=True):
+        if k != 1:
+            held += k * region.carry_bytes + region.length // k * region.slice_bytes
+    return held
 
 
 def canonical_options(graph: CostGraph, options: SolveOptions) -> SolveOptions:
@@ -71,18 +82,31 @@ class BudgetView:
     held_bytes: int  # arguments + outputs - aliases + working set (0 for residual budgets)
 
     @classmethod
-    def of(cls, graph: CostGraph, memory: Memory | None) -> BudgetView:
+    def of(cls, graph: CostGraph, memory: Memory | None,
+           groups: Sequence[int] | None = None) -> BudgetView:
+        """The view of ``graph``; with ``groups`` (per region, a peak budget), the view of
+        its regions' layers in that many rematerialised groups (``solver.nesting``)."""
         mode = resolve_memory(graph, memory)
         if mode == Memory.RESIDUALS:
+            if groups is not None and any(k != 1 for k in groups):
+                raise GraphError("groups of layers are a peak-budget plan")
             return cls(graph, mode, 0)
-        assert graph.step is not None
+        step = graph.step
+        assert step is not None
+        groups = [1] * len(step.regions) if groups is None else list(groups)
         arguments = {graph.value_index[v] for v in graph.inputs}
         extra = graph.value_extra_bytes or [0] * graph.num_values
-        weights = [0 if v in arguments else b + e
-                   for v, (b, e) in enumerate(zip(graph.value_bytes, extra, strict=True))]
+        stacked_by = graph.value_region or [-1] * graph.num_values
+        weights = []
+        for v, (nbytes, more) in enumerate(zip(graph.value_bytes, extra, strict=True)):
+            # In k groups, one group's layers are live at a time: 1/k of the stack
+            # (stacked bytes are the layers times one layer's, so this is exact).
+            r = stacked_by[v]
+            weights.append(0 if v in arguments else (nbytes + more) // (groups[r] if r >= 0 else 1))
         view = CostGraph.model_construct(**{**dict(graph), "value_bytes": weights, "step": None,
                                             "value_extra_bytes": None})
-        return cls(view, mode, graph.step.held_bytes + graph.step.working_bytes)
+        held = step.held_bytes + step.working_bytes + nesting_bytes(step, groups)
+        return cls(view, mode, held)
 
     def predicted(self, saves: list[bool]) -> int:
         """The budget the plan saving ``saves`` (per node) needs."""

@@ -61,6 +61,9 @@ class SolveOptions(BaseModel):
         default=None, exclude_if=lambda v: v is None,
         json_schema_extra=lambda schema: schema.pop("default", None),  # type: ignore[arg-type,misc]
     )
+    # Peak budgets: let the plan nest a region's layers in rematerialised groups
+    # (``solver.nesting``) when that costs fewer FLOPs than a checkpoint per layer.
+    nest: bool = Field(default=True, exclude_if=lambda v: v is True)
 
 
 class Solution(BaseModel):
@@ -97,6 +100,10 @@ class Solution(BaseModel):
     # With a peak budget: the predicted peak bytes of the training step
     # (``residual_bytes`` stays every residual, arguments included).
     peak_bytes: StrictInt | None = Field(default=None, exclude_if=lambda v: v is None)
+    # With nested groups: per region of the step, its layers in that many rematerialised
+    # groups (1: a checkpoint per layer). ``recompute_flops`` then counts the groups'
+    # second forward pass.
+    groups: list[StrictInt] | None = Field(default=None, exclude_if=lambda v: v is None)
 
     @property
     def host_bytes(self) -> int:

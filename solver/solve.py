@@ -41,12 +41,13 @@ from typing import Any
 
 import ortools
 
+from optiremat.solver import nesting
 from optiremat.solver.backends import Goal, MilpBackend, Objective, Outcome, RawResult, make_backend
 from optiremat.solver.baselines import compare, greedy_saves
 from optiremat.solver.formulation import Formulation, build
 from optiremat.solver.graph import CostGraph
 from optiremat.solver.lagrange import CutModel, bound_and_plans
-from optiremat.solver.peak import BudgetView, canonical_options
+from optiremat.solver.peak import BudgetView, canonical_options, resolve_memory
 from optiremat.solver.repeats import Compressed, compress
 from optiremat.solver.semantics import Evaluation, baseline_backward_flops, evaluate
 from optiremat.solver.solution import (
@@ -80,6 +81,7 @@ def solve(
     *,
     progress: ProgressCallback | None = None,
     cancel: threading.Event | None = None,
+    groups: Sequence[int] | None = None,
     **overrides: Any,
 ) -> Solution:
     """The plan with the fewest recompute FLOPs that fits ``budget_bytes``.
@@ -87,16 +89,21 @@ def solve(
     The budget is the peak of the training step when the graph carries its
     step, else the residual bytes (``options.memory`` chooses; ``solver.peak``).
     ``overrides`` are SolveOptions fields (``solve(g, b, tie=False)``). Setting
-    ``cancel`` stops the search and returns the best plan found so far.
-    Raises InfeasibleBudgetError, naming the smallest feasible budget, when no
-    plan fits.
+    ``cancel`` stops the search and returns the best plan found so far. A peak
+    budget may nest a region's layers in groups (``solver.nesting``); ``groups``
+    fixes their counts instead. Raises InfeasibleBudgetError, naming the smallest
+    feasible budget, when no plan fits.
     """
     started = time.monotonic()
     options = resolve_options(options, overrides)
     if isinstance(budget_bytes, bool) or not isinstance(budget_bytes, int) or budget_bytes < 0:
         raise ValueError(f"budget_bytes must be a non-negative integer, got {budget_bytes!r}")
     options = canonical_options(graph, options)
-    view = BudgetView.of(graph, options.memory)
+    if groups is None and options.nest and nesting.nests(graph, resolve_memory(graph,
+                                                                               options.memory)):
+        return nesting.choose(graph, budget_bytes, lambda g: solve(
+            graph, budget_bytes, options, progress=progress, cancel=cancel, groups=g))
+    view = BudgetView.of(graph, options.memory, groups)
 
     def search(g: CostGraph, budget: int) -> Solution:
         if options.offload is not None:  # a third choice: its own CP-SAT model
@@ -174,25 +181,50 @@ class Sweep:
     ``solve_from``, starts from the plan it is given."""
 
     def __init__(
-        self, graph: CostGraph, options: SolveOptions, cancel: threading.Event | None = None
+        self, graph: CostGraph, options: SolveOptions, cancel: threading.Event | None = None,
+        groups: Sequence[int] | None = None,
     ) -> None:
         self._graph = graph
-        options = canonical_options(graph, options)
-        self._view = BudgetView.of(graph, options.memory)
-        self._search = _search(self._view.graph, options, time.monotonic(), None, cancel)
+        self._options = canonical_options(graph, options)
+        self._cancel = cancel
+        memory = resolve_memory(graph, self._options.memory)
+        self._nested: dict[tuple[int, ...], Sweep] | None = None
+        if groups is None and self._options.nest and nesting.nests(graph, memory):
+            self._nested = {}  # one sweep per group count, built on first use
+            return
+        self._view = BudgetView.of(graph, self._options.memory, groups)
+        self._search = _search(self._view.graph, self._options, time.monotonic(), None, cancel)
 
     def solve(self, budget_bytes: int, start: Sequence[bool] | None = None) -> Solution:
+        if self._nested is not None:
+            return nesting.choose(self._graph, budget_bytes,
+                                  lambda g: self._grouped(g).solve(budget_bytes, start))
         self._search.restart_clock(time.monotonic())
         return self._view.solve(self._graph, budget_bytes,
                                 lambda _, budget: self._search.solve(budget, start),
                                 self._search.min_budget)
 
+    def _grouped(self, groups: tuple[int, ...]) -> Sweep:
+        assert self._nested is not None
+        if groups not in self._nested:
+            self._nested[groups] = Sweep(self._graph, self._options, self._cancel, groups)
+        return self._nested[groups]
 
-def min_feasible_budget(graph: CostGraph, tie: bool = True, memory: Memory | None = None) -> int:
-    """The smallest budget any plan fits (tied by policy key when ``tie``)."""
-    view = BudgetView.of(graph, memory)
+
+def min_feasible_budget(graph: CostGraph, tie: bool = True, memory: Memory | None = None,
+                        nest: bool = True) -> int:
+    """The smallest budget any plan fits (tied by policy key when ``tie``; peak plans
+    nested in groups too, unless ``nest`` is off)."""
     options = SolveOptions(tie=tie, backend=Backend.CPSAT)
-    return view.budget(_search(view.graph, options, time.monotonic(), None, None).min_budget())
+
+    def least(groups: Sequence[int] | None) -> int:
+        view = BudgetView.of(graph, memory, groups)
+        return view.budget(_search(view.graph, options, time.monotonic(), None, None)
+                           .min_budget())
+
+    if nest and nesting.nests(graph, resolve_memory(graph, memory)):
+        return nesting.min_budget(graph, least)
+    return least(None)
 
 
 def max_useful_budget(graph: CostGraph, memory: Memory | None = None) -> int:

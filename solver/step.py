@@ -28,6 +28,12 @@ class RegionMemory(BaseModel):
     source: StrictStr  # where the scan is in the user's code
     length: Annotated[StrictInt, Field(ge=1)]  # layers: iterations of the scan
     working_bytes: NonNegInt  # one layer's backward working set, measured
+    # What nesting the layers in groups (``solver.nesting``) trades: one layer's input
+    # (the scan's carry), and one layer's slice of the stacked operands and of their
+    # gradients, which the outer scan copies per group. A scan in reverse cannot nest.
+    carry_bytes: NonNegInt = 0
+    slice_bytes: NonNegInt = 0
+    nestable: bool = False
 
 
 class StepMemory(BaseModel):

@@ -16,6 +16,14 @@ def _fail(msg: str) -> None:
 
 def _check_columns(g: CostGraph) -> None:
     nv, nn = len(g.value_id), len(g.node_id)
+    if g.value_region is not None:
+        if len(g.value_region) != nv:
+            _fail(f"value_region has {len(g.value_region)} entries, value_id has {nv}")
+        regions = len(g.step.regions) if g.step is not None else 0
+        for v, r in enumerate(g.value_region):
+            if r >= regions:
+                _fail(f"value {g.value_id[v]} is stacked by region {r}, but the step has "
+                      f"{regions}")
     if g.value_extra_bytes is not None and len(g.value_extra_bytes) != nv:
         _fail(f"value_extra_bytes has {len(g.value_extra_bytes)} entries, value_id has {nv}")
     for field in ("value_bytes", "value_shape", "value_dtype"):

@@ -184,3 +184,42 @@ def test_a_scan_inside_a_cond_cannot_be_placed() -> None:
         return jnp.sum(lax.cond(flag, stack, lambda h: h, x))
     with pytest.raises(PlacementError, match="inside a cond"):
         optiremat.optimize(fun, jnp.ones((4, 8, 8)), jnp.ones((2, 8)), True, budget="1MiB")
+
+
+# ---- nested groups: an outer scan over rematerialised groups of layers ------------
+
+
+@pytest.fixture(scope="module")
+def deep_stack() -> tuple:
+    """Sixteen layers whose inputs outweigh a group's parameters: nesting pays."""
+    fun, args = llama(layers=16, d=128, ffn=344, heads=4, kv_heads=2, batch=8, seq=256)
+    return fun, args, step_extraction(fun, args, STEP)
+
+
+def test_nested_groups_lower_the_smallest_peak_and_keep_the_gradients(deep_stack) -> None:
+    fun, args, extracted = deep_stack
+    nested = min_feasible_budget(extracted.graph)
+    per_layer = min_feasible_budget(extracted.graph, nest=False)
+    assert nested < per_layer
+    plan = optiremat.optimize(fun, *args, budget=nested)
+    assert plan.groups is not None and plan.groups[0] in (2, 4, 8)
+    check = plan.verify(fun, *args, peak=True)
+    assert check.exact and check.within_budget and abs(check.peak_error) <= 0.10
+    assert "rematerialised groups" in plan.explain()
+    plain = jax.jit(jax.grad(fun))(*args)
+    nested_grads = jax.jit(jax.grad(plan.apply(fun)))(*args)
+    for a, b in zip(jax.tree.leaves(plain), jax.tree.leaves(nested_grads), strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6)
+
+
+def test_nesting_costs_a_second_forward_pass_so_roomy_budgets_do_not_nest(deep_stack) -> None:
+    fun, args, extracted = deep_stack
+    roomy = optiremat.optimize(fun, *args, budget=max_useful_budget(extracted.graph))
+    assert roomy.groups == (1,) and roomy.recompute_flops == 0
+
+
+def test_a_group_count_that_leaves_a_remainder_is_refused_with_those_that_fit(deep_stack) -> None:
+    fun, args, extracted = deep_stack
+    placement = Placement(extracted.regions, extracted.differentiated, STEP)
+    with pytest.raises(PlacementError, match=r"takes \[1, 2, 4, 8, 16\]"):
+        jax.eval_shape(placement.apply(fun, KeyPolicy(frozenset()), [3]), *args)

@@ -122,7 +122,10 @@ def step_extraction(fun: Callable, args: Sequence, step: Step, *,
     arguments, outputs, aliases = step.held_memory(args)
     memory = StepMemory(argument_bytes=arguments, output_bytes=outputs, alias_bytes=aliases,
                         regions=[RegionMemory(source=r.source, length=r.length,
-                                              working_bytes=working_bytes(r)) for r in regions])
+                                              working_bytes=working_bytes(r),
+                                              carry_bytes=r.carry_bytes,
+                                              slice_bytes=r.xs_bytes + r.xs_gradient_bytes,
+                                              nestable=not r.reverse) for r in regions])
     extraction = graph_of_traced(trace(marked, traced.flat_args, {}), name=name, step=True,
                                  differentiated=flags, step_memory=memory)
     return StepExtraction(extraction, regions, tuple(flags))

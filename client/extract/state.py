@@ -102,6 +102,7 @@ class Context:
     # (the forward scan keeps its carries and stacks what the backward reads).
     under_checkpoint: bool = True
     region: int | None = None  # the plan's region being walked (step graphs)
+    region_loop: int | None = None  # the scan (loop id) of that region
 
     def stacked(self, varying: frozenset[int]) -> int:
         """How many times a value or an equation exists: once per iteration of

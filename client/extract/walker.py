@@ -57,8 +57,9 @@ class Walker:
         nbytes = aval_bytes(aval) * copies
         dtype = str(getattr(aval, "dtype", ""))
         widened = self.widen_stacked_halves and copies > 1 and dtype in HALF_FLOATS
+        stacked_by = ctx.region if ctx.region_loop in varying else None
         return self.builder.value(nbytes, tuple(getattr(aval, "shape", ())), dtype,
-                                  extra=nbytes if widened else 0)
+                                  extra=nbytes if widened else 0, region=stacked_by)
 
     def node(self, eqn, ins: Sequence[Ref], ctx: Context, mode: NodeMode, key: str,
              flops: int) -> list[Ref]:
@@ -165,7 +166,7 @@ class Walker:
         inner = ctx.enter(loop, length)
         region = placed_region(body)
         if region is not None:  # the plan's region: its stacked carries belong to it too
-            inner = replace(inner, region=region)
+            inner = replace(inner, region=region, region_loop=loop)
         here = frozenset({loop})
 
         carry_in: list[Ref] = []
