@@ -14,16 +14,23 @@ def _fail(msg: str) -> None:
     raise GraphError(msg)
 
 
+def _check_regions(g: CostGraph, field: str, ids: list[int], what: str) -> None:
+    """An optional per-value or per-node region column: one entry each, regions that exist."""
+    column = getattr(g, field)
+    if column is None:
+        return
+    if len(column) != len(ids):
+        _fail(f"{field} has {len(column)} entries, there are {len(ids)} {what}s")
+    regions = len(g.step.regions) if g.step is not None else 0
+    for i, r in enumerate(column):
+        if r >= regions:
+            _fail(f"{what} {ids[i]} is in region {r}, but the step has {regions}")
+
+
 def _check_columns(g: CostGraph) -> None:
     nv, nn = len(g.value_id), len(g.node_id)
-    if g.value_region is not None:
-        if len(g.value_region) != nv:
-            _fail(f"value_region has {len(g.value_region)} entries, value_id has {nv}")
-        regions = len(g.step.regions) if g.step is not None else 0
-        for v, r in enumerate(g.value_region):
-            if r >= regions:
-                _fail(f"value {g.value_id[v]} is stacked by region {r}, but the step has "
-                      f"{regions}")
+    _check_regions(g, "value_region", g.value_id, "value")
+    _check_regions(g, "node_region", g.node_id, "node")
     if g.value_extra_bytes is not None and len(g.value_extra_bytes) != nv:
         _fail(f"value_extra_bytes has {len(g.value_extra_bytes)} entries, value_id has {nv}")
     for field in ("value_bytes", "value_shape", "value_dtype"):
@@ -35,13 +42,6 @@ def _check_columns(g: CostGraph) -> None:
             _fail(f"{field} has {len(getattr(g, field))} entries, node_id has {nn}")
     if g.node_batch_dims is not None and len(g.node_batch_dims) != nn:
         _fail(f"node_batch_dims has {len(g.node_batch_dims)} entries, node_id has {nn}")
-    if g.node_region is not None:
-        if len(g.node_region) != nn:
-            _fail(f"node_region has {len(g.node_region)} entries, node_id has {nn}")
-        regions = len(g.step.regions) if g.step is not None else 0
-        for n, r in enumerate(g.node_region):
-            if r >= regions:
-                _fail(f"node {g.node_id[n]} is in region {r}, but the step has {regions}")
     for ptr_name, ids_name in (("input_ptr", "input_ids"), ("output_ptr", "output_ids")):
         ptr, ids = getattr(g, ptr_name), getattr(g, ids_name)
         if len(ptr) != nn + 1 or (ptr and ptr[0] != 0) or (ptr and ptr[-1] != len(ids)):

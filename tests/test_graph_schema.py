@@ -78,6 +78,14 @@ def _set(field: str, value: object) -> Callable[[dict], None]:
 
     return mutate
 
+def _with_step(**columns) -> Callable[[dict], None]:
+    """The base graph as a step with one region of two layers, and ``columns``."""
+    def mutate(data: dict) -> None:
+        data["step"] = {"argument_bytes": 8, "output_bytes": 8, "regions": [
+            {"source": "model.py:3", "length": 2, "working_bytes": 64}]}
+        data.update(columns)
+    return mutate
+
 
 MALFORMED = {
     # node 100 reads c, which node 101 writes from a, which node 100 writes
@@ -112,7 +120,12 @@ MALFORMED = {
     ),
     "edge pointer too short": (_set("input_ptr", [0, 3]), r"input_ptr must have 3 entries"),
     "value with no producer": (_set("inputs", []), r"value 10 has no producing node"),
+    "node in a region the step lacks": (
+        _with_step(node_region=[0, 1]), r"node 101 is in region 1, but the step has 1"),
+    "region column too short": (
+        _with_step(value_region=[0, -1]), r"value_region has 2 entries, there are 4 values"),
 }
+
 
 
 @pytest.mark.parametrize("wire", [False, True], ids=["dict", "json"])
