@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from optiremat.solver.baselines import policy_saves
 from optiremat.solver.frontier import mark_pareto, point_fields, solve_budgets, spaced_budgets
 from optiremat.solver.graph import CostGraph
 from optiremat.solver.peak import BudgetView
@@ -132,14 +133,15 @@ def builtin_points(fun: Callable, *args: object) -> dict[str, PolicyPoint]:
 
 
 def graph_builtin_points(graph: CostGraph) -> dict[str, PolicyPoint]:
-    """The built-ins a graph alone determines (no function to measure): save every
-    equation the policy is offered, or none."""
+    """JAX's built-in policies as the graph alone prices them (no function to measure):
+    the equations each saves of those it is offered; on a step's graph, applied in every
+    region (a checkpoint per layer), with their predicted peaks."""
     base = baseline_backward_flops(graph)
     view = BudgetView.of(graph, None)
     points = {}
-    for name, saves in (("everything_saveable", [bool(key) for key in graph.node_key]),
-                        ("nothing_saveable", [False] * graph.num_nodes)):
-        ev = evaluate(graph, saves)
-        peak = view.predicted(saves) if view.memory == Memory.PEAK else None
+    for name, saves in policy_saves(graph).items():
+        offered = [s and bool(key) for s, key in zip(saves, graph.node_key, strict=True)]
+        ev = evaluate(graph, offered)
+        peak = view.predicted(offered) if view.memory == Memory.PEAK else None
         points[name] = PolicyPoint(ev.residual_bytes, ev.backward_flops - base, peak)
     return points

@@ -12,7 +12,14 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
-from optiremat.client.frontier import DEFAULT_POINTS, Frontier, PolicyPoint, builtin_points, sweep
+from optiremat.client.frontier import (
+    DEFAULT_POINTS,
+    Frontier,
+    PolicyPoint,
+    builtin_points,
+    graph_builtin_points,
+    sweep,
+)
 
 FORMATS = (".png", ".svg")
 _MARKERS = {"everything_saveable": "s", "dots_saveable": "D",
@@ -83,14 +90,21 @@ def _si(x: float) -> str:
 
 
 def plot_function(fun: Callable, *args: Any, path: str | Path, points: int = DEFAULT_POINTS,
-                  **options: Any) -> Path:
-    """Extract ``fun``, sweep ``points`` budgets locally, measure the built-ins, and plot."""
-    from optiremat.client.extract import extract_graph
+                  memory: str = "peak", **options: Any) -> Path:
+    """Extract ``fun``, sweep ``points`` budgets locally, price the built-ins, and plot:
+    peaks of the training step by default (the built-ins applied per layer, as the
+    model predicts them), or with ``memory="residuals"`` the residuals of one
+    checkpoint around ``fun`` (the built-ins measured by ``saved_residuals``)."""
+    from optiremat.client.extract import extract_graph, extract_step
 
-    graph = extract_graph(fun, *args)
-    builtins = builtin_points(fun, *args)
+    if memory == "peak":
+        graph = extract_step(fun, *args)
+        builtins = graph_builtin_points(graph)
+    else:
+        graph = extract_graph(fun, *args)
+        builtins = builtin_points(fun, *args)
     # Solve at each built-in's bytes too: the plan there is the fair comparison.
-    swept = sweep(graph, count=points, also=[p.residual_bytes for p in builtins.values()],
+    swept = sweep(graph, count=points, also=[p.memory_bytes for p in builtins.values()],
                   **options)
     title = getattr(fun, "__qualname__", "") or graph.name
     return plot_frontier(swept, path, builtins=builtins, title=title)

@@ -223,3 +223,19 @@ def test_a_group_count_that_leaves_a_remainder_is_refused_with_those_that_fit(de
     placement = Placement(extracted.regions, extracted.differentiated, STEP)
     with pytest.raises(PlacementError, match=r"takes \[1, 2, 4, 8, 16\]"):
         jax.eval_shape(placement.apply(fun, KeyPolicy(frozenset()), [3]), *args)
+
+
+def test_the_builtins_per_layer_are_priced_within_ten_percent_of_xla() -> None:
+    """The frontier's markers: each built-in in every region, as the model predicts it."""
+    from optiremat.client.frontier import graph_builtin_points
+    from optiremat.solver.baselines import policy_saves
+
+    fun, args = CORPUS[0].build()
+    extracted = step_extraction(fun, args, STEP)
+    g = extracted.graph
+    points = graph_builtin_points(g)
+    for name, saves in policy_saves(g).items():
+        keys = frozenset(k for k, s in zip(g.node_key, saves, strict=True) if s and k)
+        measured = measured_peak(STEP.function(_applied(fun, extracted, keys))
+                                 .lower(*args).compile())
+        assert abs(points[name].peak_bytes - measured) <= 0.10 * measured, name
