@@ -54,7 +54,7 @@ Literal = core.Literal
 Var = core.Var
 
 
-def jvp_jaxpr(closed: core.ClosedJaxpr, nonzeros: list[bool]) -> core.Jaxpr:
+def jvp_jaxpr(closed: core.ClosedJaxpr, nonzeros: list[bool]) -> tuple[core.Jaxpr, list]:
     """The JVP'd jaxpr exactly as ``remat_jvp`` builds it, consts as leading invars."""
     jvp_closed, _ = ad.jvp_jaxpr(closed, nonzeros, False)
     return pe.convert_constvars_jaxpr(jvp_closed.jaxpr), list(jvp_closed.consts)

@@ -45,10 +45,11 @@ def working_bytes(region: Region) -> int:
 
 def _measure(region: Region) -> int:
     from optiremat.client.extract import graph_of_traced, trace
+    from optiremat.client.step import memory_analysis
 
     program, args, flags = _calibration_program(region)
     compiled = jax.jit(jax.grad(program)).lower(*args).compile()
-    temp = compiled.memory_analysis().temp_size_in_bytes
+    temp = memory_analysis(compiled).temp_size_in_bytes
     graph = graph_of_traced(trace(program, args, {}), step=True, differentiated=flags).graph
     evaluation = evaluate(graph, [False] * graph.num_nodes)  # every mode is fixed here
     arguments = {graph.value_index[v] for v in graph.inputs}

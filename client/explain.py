@@ -51,8 +51,8 @@ def peak_breakdown(graph: CostGraph, solution: Solution, evaluation: Evaluation)
         if v in arguments:
             continue
         producer = graph.producer[v]
-        region = regions[producer] if producer is not None else -1
-        per_region[region] += graph.value_bytes[v] + extra[v]
+        index = regions[producer] if producer is not None else -1
+        per_region[index] += graph.value_bytes[v] + extra[v]
 
     def row(name: str, nbytes: int, note: str = "") -> str:
         return f"  {name:<26}{format_bytes(nbytes):>12}  {note}".rstrip()
@@ -103,7 +103,7 @@ def _residual_table(graph: CostGraph, sol: Solution, evaluation: Evaluation,
         node = graph.producer[v]
         shape = value_text(graph.value_dtype[v], graph.value_shape[v], graph.value_bytes[v])
         if node is None:
-            rows.append((graph.value_bytes[v], "input", shape, None,
+            rows.append((graph.value_bytes[v], "input", shape, -1,
                          "argument" if v in inputs else ""))
         else:
             offloaded = sol.node_decisions[node] == "offload"
@@ -116,7 +116,7 @@ def _residual_table(graph: CostGraph, sol: Solution, evaluation: Evaluation,
     total = max(sol.residual_bytes + sol.host_bytes, 1)
     for nbytes, op, shape, flops, source in shown:
         lines.append(f"{format_bytes(nbytes):>11} {nbytes / total:>6.1%} "
-                     f"{'-' if flops is None else f'{flops:,}':>12}  {op:<16} {shape:<22} "
+                     f"{'-' if flops < 0 else f'{flops:,}':>12}  {op:<16} {shape:<22} "
                      f"{source or '-'}")
     if len(shown) < len(rows):
         lines.append(f"... and {len(rows) - len(shown)} smaller values")

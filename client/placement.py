@@ -27,7 +27,7 @@ from __future__ import annotations
 import functools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import jax
 import jax.numpy as jnp
@@ -44,7 +44,7 @@ if TYPE_CHECKING:
 # inside one cannot be given a static place (nor a predictable peak).
 UNPLACEABLE_PARENTS = {Role.COND: "cond", Role.WHILE: "while_loop"}
 
-Policy = Callable[..., object]
+Policy = Callable[..., Any]
 
 
 class PlacementError(ValueError):

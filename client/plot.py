@@ -48,12 +48,12 @@ def plot_frontier(sweep: Frontier, path: str | Path, *,
     unit, scale = _byte_unit(largest)
     if plans:
         xs = [(p.memory_bytes or 0) / scale for p in plans]
-        ys = [p.recompute_flops for p in plans]
+        ys = [p.recompute_flops or 0 for p in plans]
         # A plan's FLOPs hold from its bytes up to the next plan's: a staircase.
         ax.step(xs, ys, where="post", color="tab:blue", linewidth=1.5, label="optiremat plans")
         pareto = [p for p in plans if p.pareto]
         ax.plot([(p.memory_bytes or 0) / scale for p in pareto],
-                [p.recompute_flops for p in pareto],
+                [p.recompute_flops or 0 for p in pareto],
                 "o", color="tab:blue", markersize=5)
     if sweep.min_feasible_budget is not None:
         ax.axvspan(0, sweep.min_feasible_budget / scale, color="0.92", zorder=0,

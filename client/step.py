@@ -13,6 +13,7 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -25,9 +26,18 @@ class StepError(ValueError):
     """A function or arguments the training step cannot be built from."""
 
 
+def memory_analysis(compiled: jax.stages.Compiled) -> Any:
+    """XLA's memory analysis of ``compiled``; a backend without one is an error."""
+    analysis = compiled.memory_analysis()
+    if analysis is None:
+        raise StepError(f"the {jax.default_backend()} backend reports no memory analysis, so "
+                        "peaks cannot be calibrated or measured here")
+    return analysis
+
+
 def measured_peak(compiled: jax.stages.Compiled) -> int:
     """Peak bytes of a compiled step: argument + output + temp - alias."""
-    m = compiled.memory_analysis()
+    m = memory_analysis(compiled)
     return (m.argument_size_in_bytes + m.output_size_in_bytes + m.temp_size_in_bytes
             - m.alias_size_in_bytes)
 
@@ -69,7 +79,7 @@ class Step:
                              and bool(jnp.issubdtype(jnp.result_type(leaf), jnp.inexact)))
         return flags
 
-    def function(self, fun: Callable) -> Callable:
+    def function(self, fun: Callable) -> jax.stages.Wrapped:
         """The step itself: the gradient (of the outputs' sum, for a non-scalar ``fun``)."""
         def total(*args, **kwargs):
             out = fun(*args, **kwargs)
@@ -85,26 +95,28 @@ class Step:
 
     def held_memory(self, args: Sequence) -> tuple[int, int, int]:
         """(argument, output, alias) bytes: what the step holds whatever the plan."""
-        def nbytes(leaf) -> int:
+        def nbytes(leaf: Any) -> int:
             return aval_bytes(jax.core.ShapedArray(np.shape(leaf), jnp.result_type(leaf)))
 
         arguments = sum(nbytes(leaf) for leaf in jax.tree_util.tree_leaves(args))
         grads = [leaf for has_grad, leaf in self._leaf_owners(args) if has_grad]
         outputs = sum(nbytes(leaf) for leaf in grads)
         # XLA reuses a donated argument's buffer for one output of its shape and type.
+        def kind(leaf: Any) -> tuple[tuple[int, ...], str]:
+            return tuple(np.shape(leaf)), str(jnp.result_type(leaf))
+
         donated = Counter(
-            (np.shape(leaf), str(jnp.result_type(leaf)))
+            kind(leaf)
             for i in {d % len(args) for d in self.donate_argnums}
             for leaf in jax.tree_util.tree_leaves(args[i]))
         alias = 0
         for leaf in grads:
-            kind = (np.shape(leaf), str(jnp.result_type(leaf)))
-            if donated[kind] > 0:
-                donated[kind] -= 1
+            if donated[kind(leaf)] > 0:
+                donated[kind(leaf)] -= 1
                 alias += nbytes(leaf)
         return arguments, outputs, alias
 
-    def _leaf_owners(self, args: Sequence) -> list[tuple[bool, object]]:
+    def _leaf_owners(self, args: Sequence) -> list[tuple[bool, Any]]:
         """Every leaf of the differentiated arguments, with whether it has a gradient."""
         chosen = {i % len(args) for i in self.argnums}
         return [(bool(jnp.issubdtype(jnp.result_type(leaf), jnp.inexact)), leaf)

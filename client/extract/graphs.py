@@ -65,7 +65,7 @@ def graph_of_traced(traced: Traced, *, names: bool = False, name: str = "", step
                      and jax.default_backend() == "cpu")
     refs: list[Ref] = []
     for c in jvp_consts:
-        aval = jax.core.get_aval(c)
+        aval = jax.typeof(c)
         refs.append(Ref(b.input(aval_bytes(aval), tuple(aval.shape), str(aval.dtype)), True))
     for aval in traced.closed.in_avals:
         refs.append(Ref(b.input(aval_bytes(aval), tuple(aval.shape), str(aval.dtype)), True))
