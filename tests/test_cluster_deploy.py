@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 import yaml
 
-from optiremat.service.cluster_store import JOB_TIMEOUT_MARGIN_S
+from optiremat.service.core.redis_store import JOB_TIMEOUT_MARGIN_S
 from tests.service_harness import REPO
 
 DOCKER = REPO / "docker"

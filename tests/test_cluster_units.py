@@ -8,7 +8,9 @@ import sys
 
 import pytest
 
-from optiremat.service.cluster_store import (
+from optiremat.service.core.config import Settings, redact_url
+from optiremat.service.core.pool import Cancelled
+from optiremat.service.core.redis_store import (
     JOB_TIMEOUT_MARGIN_S,
     decode_outcome,
     encode_outcome,
@@ -16,9 +18,7 @@ from optiremat.service.cluster_store import (
     queue_name,
     reusable,
 )
-from optiremat.service.config import Settings, redact_url
-from optiremat.service.pool import Cancelled
-from optiremat.service.worker import BudgetRange, Failed, Infeasible, Solved, solver_version
+from optiremat.service.core.worker import BudgetRange, Failed, Infeasible, Solved, solver_version
 from tests.service_harness import REPO
 
 OUTCOMES = [

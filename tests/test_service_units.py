@@ -13,12 +13,12 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
-from optiremat.service.config import Settings
-from optiremat.service.middleware import BodyDecodingMiddleware
-from optiremat.service.models import FrontierPoint
-from optiremat.service.solving import _mark_pareto
-from optiremat.service.store import Store
-from optiremat.service.worker import BudgetRange, Infeasible, Solved
+from optiremat.service.api.middleware import BodyDecodingMiddleware
+from optiremat.service.api.models import FrontierPoint
+from optiremat.service.core.config import Settings
+from optiremat.service.core.front import _mark_pareto
+from optiremat.service.core.store import Store
+from optiremat.service.core.worker import BudgetRange, Infeasible, Solved
 from optiremat.solver.solution import SolveStatus
 
 

@@ -26,14 +26,14 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import RedisError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
-from optiremat.service.cluster_store import ClusterStore, RunRecord
-from optiremat.service.config import Settings
-from optiremat.service.metrics import Metrics
-from optiremat.service.models import Job, JobStatus, Readiness
-from optiremat.service.pool import Interrupted, Outcome
-from optiremat.service.problems import ProblemError
-from optiremat.service.solving import BodyMemo, budget_range_key, job_fields, job_view, solve_key
-from optiremat.service.store import JobRecord
+from optiremat.service.api.models import Job, JobStatus, Readiness
+from optiremat.service.api.problems import ProblemError
+from optiremat.service.core.config import Settings
+from optiremat.service.core.front import BodyMemo, budget_range_key, job_fields, job_view, solve_key
+from optiremat.service.core.metrics import Metrics
+from optiremat.service.core.pool import Interrupted, Outcome
+from optiremat.service.core.redis_store import ClusterStore, RunRecord
+from optiremat.service.core.store import JobRecord
 from optiremat.solver.graph import CostGraph
 from optiremat.solver.solution import SolveOptions
 

@@ -1,4 +1,4 @@
-"""Wires the app: settings, lifespan (the solve backend), middleware, handlers, routes."""
+"""Wires the app: settings, lifespan (the executor), middleware, handlers, routes."""
 
 from __future__ import annotations
 
@@ -8,13 +8,13 @@ from contextlib import asynccontextmanager
 
 from fastapi import FastAPI
 
-from optiremat.service.backend import start_backend
-from optiremat.service.config import Settings, redact_url
-from optiremat.service.metrics import Metrics
-from optiremat.service.middleware import BodyDecodingMiddleware, RequestContextMiddleware
-from optiremat.service.openapi import install_openapi
-from optiremat.service.problems import install_problem_handlers
-from optiremat.service.routes import frontier, health, jobs, solve
+from optiremat.service.api.middleware import BodyDecodingMiddleware, RequestContextMiddleware
+from optiremat.service.api.openapi import install_openapi
+from optiremat.service.api.problems import install_problem_handlers
+from optiremat.service.api.routes import frontier, health, jobs, solve
+from optiremat.service.core.config import Settings, redact_url
+from optiremat.service.core.executor import start_executor
+from optiremat.service.core.metrics import Metrics
 
 log = logging.getLogger("optiremat.service")
 
@@ -25,14 +25,14 @@ def create_app(settings: Settings | None = None) -> FastAPI:
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        app.state.manager = manager = await start_backend(settings, metrics)
+        app.state.executor = executor = await start_executor(settings, metrics)
         where = ({"redis": redact_url(settings.redis_url)} if settings.redis_url
                  else {"data_dir": str(settings.data_dir), "workers": settings.workers})
         log.info("serving", extra={**where, "auth": bool(settings.api_keys)})
         try:
             yield
         finally:
-            await manager.stop()
+            await executor.stop()
 
     app = FastAPI(
         title="optiremat",
@@ -54,7 +54,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
 
 
 def _version() -> str:
-    from optiremat.service.solving import solver_version
+    from optiremat.service.core.front import solver_version
 
     return solver_version().split("+")[0].removeprefix("optiremat-")
 
@@ -63,7 +63,7 @@ def serve(settings: Settings) -> None:
     """Run the embedded service in this process until interrupted."""
     import uvicorn
 
-    from optiremat.service.logs import configure_logging
+    from optiremat.service.core.logs import configure_logging
 
     configure_logging(settings.log_level)
     uvicorn.run(

@@ -8,8 +8,8 @@ finds the stored result: identical requests never solve twice.
 
 A job is the same run with a row in the store whose id is the request hash.
 
-``SolveManager`` is the embedded backend; ``optiremat.service.cluster.ClusterManager`` is the
-Redis one. Both answer the routes through ``optiremat.service.backend.SolveBackend``, and
+``SolveManager`` is the embedded executor; ``rq_executor.ClusterManager`` is the
+Redis one. Both answer the routes through ``executor.Executor``, and
 share the pieces below that do not depend on where the solve runs (request hash,
 job views, the frontier sweep, the body memo).
 """
@@ -26,18 +26,25 @@ from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import TYPE_CHECKING, Any
 
-from optiremat.service.metrics import Metrics
-from optiremat.service.models import Frontier, FrontierPoint, Job, JobStatus, Progress, Readiness
-from optiremat.service.pool import Cancelled, Interrupted, Outcome, Task, WorkerPool, settled
-from optiremat.service.problems import (
+from optiremat.service.api.models import (
+    Frontier,
+    FrontierPoint,
+    Job,
+    JobStatus,
+    Progress,
+    Readiness,
+)
+from optiremat.service.api.problems import (
     INFEASIBLE_BUDGET,
     SOLVE_FAILED,
     Problem,
     ProblemError,
     problem_body,
 )
-from optiremat.service.store import JobRecord, Store
-from optiremat.service.worker import (
+from optiremat.service.core.metrics import Metrics
+from optiremat.service.core.pool import Cancelled, Interrupted, Outcome, Task, WorkerPool, settled
+from optiremat.service.core.store import JobRecord, Store
+from optiremat.service.core.worker import (
     BudgetRange,
     Failed,
     Infeasible,
@@ -50,7 +57,7 @@ from optiremat.solver.graph import CostGraph
 from optiremat.solver.solution import InfeasibleBudgetError, Solution, SolveOptions
 
 if TYPE_CHECKING:
-    from optiremat.service.backend import SolveBackend
+    from optiremat.service.core.executor import Executor
 
 __all__ = ["SolveManager", "frontier", "job_fields", "job_view", "solve_key", "solver_version"]
 
@@ -339,7 +346,7 @@ class SolveManager:
         log.info("job %s finished: %s", run.key, type(outcome).__name__)
 
 
-async def frontier(backend: SolveBackend, graph: CostGraph, budgets: list[int] | None,
+async def frontier(backend: Executor, graph: CostGraph, budgets: list[int] | None,
                    count: int | None, options: SolveOptions) -> Frontier | Outcome:
     """The sweep, or the outcome that stopped it (cancelled, interrupted, failed).
 

@@ -21,8 +21,8 @@ from multiprocessing.context import SpawnProcess
 from multiprocessing.synchronize import Event
 from typing import Any
 
-from optiremat.service.metrics import Metrics
-from optiremat.service.worker import (
+from optiremat.service.core.metrics import Metrics
+from optiremat.service.core.worker import (
     Failed,
     Infeasible,
     ProgressReport,

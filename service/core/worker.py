@@ -3,7 +3,7 @@
 This module is the entry point of a spawned process, so it imports only solver/
 (never FastAPI, never JAX). Results travel back as the small dataclasses below.
 ``run_task`` is the one solve path: the embedded pool's processes and the
-cluster's RQ workers (``optiremat.service.cluster_worker``) both call it.
+cluster's RQ workers (``optiremat.service.core.rq_worker``) both call it.
 """
 
 from __future__ import annotations

@@ -80,8 +80,8 @@ def problem_response(status: int, title: str, detail: str, *,
 
 
 def problem_responses(*codes: int) -> dict[int | str, dict[str, Any]]:
-    """OpenAPI ``responses`` entries for error codes (``optiremat.service.openapi`` files them under
-    ``application/problem+json``)."""
+    """OpenAPI ``responses`` entries for error codes (``optiremat.service.api.openapi``
+    files them under ``application/problem+json``)."""
     descriptions = {
         400: "Malformed request (bad JSON, bad gzip)",
         401: "Missing or wrong API key",

@@ -7,8 +7,8 @@ import hashlib
 from fastapi import APIRouter, Depends, Request
 from starlette.responses import Response
 
-from optiremat.service.deps import (
-    ManagerDep,
+from optiremat.service.api.deps import (
+    ExecutorDep,
     SettingsDep,
     cap_time_limit,
     check_graph_size,
@@ -16,16 +16,16 @@ from optiremat.service.deps import (
     request_body,
     require_api_key,
 )
-from optiremat.service.models import SolveRequest
-from optiremat.service.pool import Cancelled, Interrupted, Outcome
-from optiremat.service.problems import (
+from optiremat.service.api.models import SolveRequest
+from optiremat.service.api.problems import (
     SOLVE_CANCELLED,
     SOLVE_FAILED,
     ProblemError,
     problem_responses,
 )
-from optiremat.service.solving import infeasible_problem
-from optiremat.service.worker import Failed, Infeasible, Solved
+from optiremat.service.core.front import infeasible_problem
+from optiremat.service.core.pool import Cancelled, Interrupted, Outcome
+from optiremat.service.core.worker import Failed, Infeasible, Solved
 from optiremat.solver.solution import Solution
 
 router = APIRouter(prefix="/v1", tags=["solve"], dependencies=[Depends(require_api_key)])
@@ -55,7 +55,7 @@ def raise_for_outcome(outcome: Outcome) -> None:
     summary="Solve one graph for one budget, synchronously",
     openapi_extra=request_body(SolveRequest),
 )
-async def solve(request: Request, settings: SettingsDep, manager: ManagerDep) -> Response:
+async def solve(request: Request, settings: SettingsDep, executor: ExecutorDep) -> Response:
     """The plan minimising recompute FLOPs within ``budget_bytes``.
 
     ``options.time_limit_s`` is capped at the server's ``OPTIREMAT_SYNC_TIME_LIMIT_S``;
@@ -66,12 +66,12 @@ async def solve(request: Request, settings: SettingsDep, manager: ManagerDep) ->
     # A body seen before (byte for byte) maps to its request hash: answer from the
     # store without parsing and validating the graph again.
     body_digest = hashlib.sha256(raw).digest()
-    outcome = await manager.stored_answer(body_digest)
+    outcome = await executor.stored_answer(body_digest)
     if outcome is None:
         body = await parse_body(SolveRequest, raw)
         check_graph_size(body.graph, settings)
         options = cap_time_limit(body.options, settings.sync_time_limit_s)
-        outcome = await manager.solve(body.graph, body.budget_bytes, options,
+        outcome = await executor.solve(body.graph, body.budget_bytes, options,
                                       body_digest=body_digest)
     raise_for_outcome(outcome)
     assert isinstance(outcome, Solved)

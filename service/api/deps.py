@@ -11,9 +11,9 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from pydantic import BaseModel, ValidationError
 
-from optiremat.service.backend import SolveBackend
-from optiremat.service.config import Settings
-from optiremat.service.problems import GRAPH_TOO_LARGE, ProblemError
+from optiremat.service.api.problems import GRAPH_TOO_LARGE, ProblemError
+from optiremat.service.core.config import Settings
+from optiremat.service.core.executor import Executor
 from optiremat.solver.graph import CostGraph
 from optiremat.solver.solution import SolveOptions
 
@@ -29,12 +29,12 @@ def get_settings(request: Request) -> Settings:
     return request.app.state.settings
 
 
-def get_manager(request: Request) -> SolveBackend:
-    return request.app.state.manager
+def get_executor(request: Request) -> Executor:
+    return request.app.state.executor
 
 
 SettingsDep = Annotated[Settings, Depends(get_settings)]
-ManagerDep = Annotated[SolveBackend, Depends(get_manager)]
+ExecutorDep = Annotated[Executor, Depends(get_executor)]
 
 
 async def require_api_key(

@@ -1,24 +1,23 @@
 """What the routes need from whatever runs the solves, and the choice between the two.
 
-Embedded (the default): ``optiremat.service.solving.SolveManager`` with worker processes and
-SQLite in this process. Cluster (``OPTIREMAT_REDIS_URL`` set):
-``optiremat.service.cluster.ClusterManager``, which queues on Redis for ``optiremat worker``
-processes anywhere. The API is the same either way.
+Embedded (the default): ``front.SolveManager`` with worker processes and SQLite in
+this process. Cluster (``OPTIREMAT_REDIS_URL`` set): ``rq_executor.ClusterManager``,
+which queues on Redis for ``optiremat worker`` processes anywhere. The API is the same either way.
 """
 
 from __future__ import annotations
 
 from typing import Protocol
 
-from optiremat.service.config import Settings
-from optiremat.service.metrics import Metrics
-from optiremat.service.models import Job, Readiness
-from optiremat.service.pool import Outcome
+from optiremat.service.api.models import Job, Readiness
+from optiremat.service.core.config import Settings
+from optiremat.service.core.metrics import Metrics
+from optiremat.service.core.pool import Outcome
 from optiremat.solver.graph import CostGraph
 from optiremat.solver.solution import SolveOptions
 
 
-class SolveBackend(Protocol):
+class Executor(Protocol):
     async def start(self) -> None: ...
 
     async def stop(self) -> None:
@@ -42,20 +41,22 @@ class SolveBackend(Protocol):
     async def cancel_job(self, job_id: str, wait_s: float = 5.0) -> Job | None: ...
 
 
-async def start_backend(settings: Settings, metrics: Metrics) -> SolveBackend:
-    backend: SolveBackend
+async def start_executor(settings: Settings, metrics: Metrics) -> Executor:
+    executor: Executor
     if settings.redis_url:
-        from optiremat.service.cluster import ClusterManager  # imports redis and rq only when used
+        from optiremat.service.core.rq_executor import (
+            ClusterManager,  # imports redis and rq only when used
+        )
 
-        backend = ClusterManager(settings, metrics)
+        executor = ClusterManager(settings, metrics)
     else:
-        from optiremat.service.pool import WorkerPool
-        from optiremat.service.solving import SolveManager
-        from optiremat.service.store import Store
+        from optiremat.service.core.front import SolveManager
+        from optiremat.service.core.pool import WorkerPool
+        from optiremat.service.core.store import Store
 
         store = Store(settings.database_path)  # first: a store it cannot read stops here
         pool = WorkerPool(settings.workers, metrics)
         await pool.start()
-        backend = SolveManager(store, pool, metrics)
-    await backend.start()
-    return backend
+        executor = SolveManager(store, pool, metrics)
+    await executor.start()
+    return executor

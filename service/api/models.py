@@ -8,7 +8,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, model_validator
 
-from optiremat.service.problems import Problem
+from optiremat.service.api.problems import Problem
 from optiremat.solver.graph import CostGraph, GraphBuilder
 from optiremat.solver.solution import Solution, SolveOptions, SolveStatus
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 from fastapi import APIRouter, Depends, Request
 from starlette.responses import Response
 
-from optiremat.service.deps import (
-    ManagerDep,
+from optiremat.service.api.deps import (
+    ExecutorDep,
     SettingsDep,
     cap_time_limit,
     check_graph_size,
@@ -14,8 +14,8 @@ from optiremat.service.deps import (
     request_body,
     require_api_key,
 )
-from optiremat.service.models import Job, JobStatus, SolveRequest
-from optiremat.service.problems import ProblemError, problem_responses
+from optiremat.service.api.models import Job, JobStatus, SolveRequest
+from optiremat.service.api.problems import ProblemError, problem_responses
 
 router = APIRouter(prefix="/v1/jobs", tags=["jobs"], dependencies=[Depends(require_api_key)])
 
@@ -39,13 +39,13 @@ def _not_found(job_id: str) -> ProblemError:
     openapi_extra=request_body(SolveRequest),
 )
 async def submit_job(request: Request, response: Response, settings: SettingsDep,
-                     manager: ManagerDep) -> Job:
+                     executor: ExecutorDep) -> Job:
     """Queue the solve; ``Location`` names the job. Submitting the same request again
     returns the same job (a failed or cancelled one is started again)."""
     body = await parse_body(SolveRequest, await request.body())
     check_graph_size(body.graph, settings)
     options = cap_time_limit(body.options, settings.job_time_limit_s)
-    job = await manager.submit_job(body.graph, body.budget_bytes, options)
+    job = await executor.submit_job(body.graph, body.budget_bytes, options)
     response.headers["Location"] = f"/v1/jobs/{job.id}"
     if job.status == JobStatus.SUCCEEDED:
         response.status_code = 200
@@ -58,8 +58,8 @@ async def submit_job(request: Request, response: Response, settings: SettingsDep
     responses=problem_responses(401, 404, 500),
     summary="A job's status, progress, and solution or error",
 )
-async def get_job(job_id: str, manager: ManagerDep) -> Job:
-    job = await manager.get_job(job_id)
+async def get_job(job_id: str, executor: ExecutorDep) -> Job:
+    job = await executor.get_job(job_id)
     if job is None:
         raise _not_found(job_id)
     return job
@@ -71,10 +71,10 @@ async def get_job(job_id: str, manager: ManagerDep) -> Job:
     responses=problem_responses(401, 404, 500),
     summary="Cancel a job",
 )
-async def cancel_job(job_id: str, manager: ManagerDep) -> Job:
+async def cancel_job(job_id: str, executor: ExecutorDep) -> Job:
     """A queued job is dropped; a running solve stops and the job keeps the best plan
     found so far as its solution. A finished job is returned unchanged."""
-    job = await manager.cancel_job(job_id)
+    job = await executor.cancel_job(job_id)
     if job is None:
         raise _not_found(job_id)
     return job

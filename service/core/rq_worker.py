@@ -2,7 +2,7 @@
 
 The worker takes jobs from the Redis queue one at a time. RQ forks a work horse
 per job from this process, which imported the solver once; the horse runs
-``run_job``, which calls ``optiremat.service.worker.run_task`` (the very solve the embedded
+``run_job``, which calls ``optiremat.service.core.worker.run_task`` (the very solve the embedded
 pool runs) and writes the outcome to Redis itself, so an answer never depends on
 an API replica staying up.
 
@@ -32,10 +32,10 @@ from rq import Worker, get_current_job
 from rq.job import Job as RQJob
 from rq.serializers import JSONSerializer
 
-from optiremat.service.cluster_store import ClusterStore, queue_name
-from optiremat.service.config import Settings, redact_url
-from optiremat.service.pool import Cancelled, settled
-from optiremat.service.worker import Failed, ProgressReport, run_task
+from optiremat.service.core.config import Settings, redact_url
+from optiremat.service.core.pool import Cancelled, settled
+from optiremat.service.core.redis_store import ClusterStore, queue_name
+from optiremat.service.core.worker import Failed, ProgressReport, run_task
 
 log = logging.getLogger("optiremat.worker")
 HEARTBEATS_MISSED = 3  # a job is abandoned after its worker misses this many heartbeats
@@ -56,7 +56,7 @@ class SolverWorker(Worker):
 def work(settings: Settings, *, burst: bool = False) -> int:
     """Run a worker until SIGTERM (which lets the current solve finish) or, with
     ``burst``, until the queue is empty."""
-    from optiremat.service.logs import configure_logging
+    from optiremat.service.core.logs import configure_logging
 
     assert settings.redis_url, "cluster mode needs OPTIREMAT_REDIS_URL"
     configure_logging(settings.log_level)

@@ -15,8 +15,8 @@ import zlib
 from collections.abc import Awaitable, Callable, MutableMapping
 from typing import Any
 
-from optiremat.service.metrics import Metrics
-from optiremat.service.problems import INVALID_REQUEST, problem_body
+from optiremat.service.api.problems import INVALID_REQUEST, problem_body
+from optiremat.service.core.metrics import Metrics
 
 Scope = MutableMapping[str, Any]
 Message = MutableMapping[str, Any]

@@ -5,9 +5,9 @@ from __future__ import annotations
 from fastapi import APIRouter, Request
 from starlette.responses import Response
 
-from optiremat.service.deps import ManagerDep
-from optiremat.service.models import Health, Readiness
-from optiremat.service.problems import problem_responses
+from optiremat.service.api.deps import ExecutorDep
+from optiremat.service.api.models import Health, Readiness
+from optiremat.service.api.problems import problem_responses
 
 router = APIRouter(tags=["health"])
 
@@ -23,10 +23,10 @@ async def healthz() -> Health:
     responses=problem_responses(503),
     summary="Ready to take requests",
 )
-async def readyz(manager: ManagerDep) -> Readiness:
+async def readyz(executor: ExecutorDep) -> Readiness:
     """Embedded: the store answers and every worker process has started. Cluster: Redis
     answers (workers are counted, not required: jobs wait in the queue for them)."""
-    return await manager.readiness()
+    return await executor.readiness()
 
 
 @router.get(

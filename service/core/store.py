@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from optiremat.service.worker import BudgetRange, Infeasible, Solved
+from optiremat.service.core.worker import BudgetRange, Infeasible, Solved
 
 StoredResult = Solved | Infeasible | BudgetRange
 

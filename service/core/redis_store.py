@@ -1,7 +1,7 @@
 """Cluster mode's state in Redis: runs, results, graphs, cancel flags and the RQ queue.
 
 Blocking calls, shared by the API replicas (through ``asyncio.to_thread``) and the
-RQ workers; like ``optiremat.service.worker`` it imports neither FastAPI nor JAX.
+RQ workers; like ``optiremat.service.core.worker`` it imports neither FastAPI nor JAX.
 
 Keys, each expiring ``ttl_s`` after its last write:
 
@@ -46,15 +46,15 @@ from rq.registry import (
 from rq.results import Result
 from rq.serializers import JSONSerializer
 
-from optiremat.service.pool import Cancelled, Outcome
-from optiremat.service.worker import BudgetRange, Failed, Infeasible, Solved, solver_version
+from optiremat.service.core.pool import Cancelled, Outcome
+from optiremat.service.core.worker import BudgetRange, Failed, Infeasible, Solved, solver_version
 
 PREFIX = "optiremat"
 # The solver stops at its own time limit; the queue's job timeout leaves this much on
 # top for loading the graph, building the model and checking the plan, so a long
 # solve ends with its incumbent instead of being killed.
 JOB_TIMEOUT_MARGIN_S = 120
-TASK_FUNCTION = "optiremat.service.cluster_worker.run_job"
+TASK_FUNCTION = "optiremat.service.core.rq_worker.run_job"
 _LIVE = (RQStatus.QUEUED, RQStatus.STARTED, RQStatus.SCHEDULED, RQStatus.DEFERRED,
          RQStatus.CREATED, RQStatus.READY_TO_ENQUEUE)
 
