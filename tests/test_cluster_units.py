@@ -1,4 +1,5 @@
-"""Cluster-mode pieces that need no Redis: settings, the outcome codec, timeouts, the CLI."""
+"""Cluster-mode pieces that need no Redis: settings, timeouts, the CLI. (The outcome codec
+both stores share is tested in test_service_core.py.)"""
 
 from __future__ import annotations
 
@@ -9,36 +10,9 @@ import sys
 import pytest
 
 from optiremat.service.core.config import Settings, redact_url
-from optiremat.service.core.pool import Cancelled
-from optiremat.service.core.redis_store import (
-    JOB_TIMEOUT_MARGIN_S,
-    decode_outcome,
-    encode_outcome,
-    job_timeout_s,
-    queue_name,
-    reusable,
-)
-from optiremat.service.core.worker import BudgetRange, Failed, Infeasible, Solved, solver_version
+from optiremat.service.core.redis_store import JOB_TIMEOUT_MARGIN_S, job_timeout_s, queue_name
+from optiremat.service.core.tasks import solver_version
 from tests.service_harness import REPO
-
-OUTCOMES = [
-    Solved('{"status": "optimal", "b": [1, 2]}'),
-    Infeasible(10, 4096),
-    BudgetRange(4096, 65536),
-    Failed("the worker died"),
-    Cancelled(None),
-    Cancelled(Solved('{"status": "feasible"}')),
-]
-
-
-@pytest.mark.parametrize("outcome", OUTCOMES, ids=lambda o: type(o).__name__)
-def test_outcomes_survive_redis_unchanged(outcome: object) -> None:
-    assert decode_outcome(encode_outcome(outcome).encode()) == outcome  # type: ignore[arg-type]
-
-
-def test_only_runs_that_answered_are_joined_rather_than_restarted() -> None:
-    assert reusable(None)  # still going
-    assert [reusable(o) for o in OUTCOMES] == [True, False, True, False, False, False]
 
 
 def test_the_queue_outlasts_the_solver_time_limit() -> None:

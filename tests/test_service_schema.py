@@ -35,7 +35,7 @@ def test_openapi_json_is_the_apps_schema() -> None:
 def test_the_service_never_imports_jax() -> None:
     code = (
         "import sys\n"
-        "import optiremat.service.api.main, optiremat.service.core.worker\n"
+        "import optiremat.service.api.main, optiremat.service.core.pool_worker\n"
         "from optiremat.service.core.config import Settings\n"
         "optiremat.service.api.main.create_app(Settings()).openapi()\n"
         "import optiremat, optiremat.solver\n"

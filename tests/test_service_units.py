@@ -1,4 +1,4 @@
-"""Service pieces on their own: settings, body decoding, the store, the Pareto marks."""
+"""Service pieces on their own: settings, body decoding, the SQLite store, the Pareto marks."""
 
 from __future__ import annotations
 
@@ -14,12 +14,13 @@ from starlette.responses import Response
 from starlette.routing import Route
 
 from optiremat.service.api.middleware import BodyDecodingMiddleware
-from optiremat.service.api.models import FrontierPoint
 from optiremat.service.core.config import Settings
-from optiremat.service.core.front import _mark_pareto
-from optiremat.service.core.store import Store
-from optiremat.service.core.worker import BudgetRange, Infeasible, Solved
-from optiremat.solver.solution import SolveStatus
+from optiremat.service.core.models import FrontierPoint, Progress
+from optiremat.service.core.outcome import BudgetRange, Cancelled, Failed, Infeasible, Solved
+from optiremat.service.core.store import SqliteStore
+from optiremat.service.core.tasks import SolveTask
+from optiremat.solver.frontier import mark_pareto
+from optiremat.solver.solution import SolveOptions, SolveStatus
 
 
 def test_settings_come_from_optiremat_variables(monkeypatch: pytest.MonkeyPatch,
@@ -83,25 +84,42 @@ def test_broken_gzip_is_a_400() -> None:
     assert post(client, b"plain", "gzip").status_code == 400
 
 
-def test_the_store_keeps_results_and_jobs(tmp_path: Path) -> None:
-    store = Store(tmp_path / "db.sqlite3")
-    for key, result in (("a", Solved('{"x": 1}')), ("b", Infeasible(5, 77)),
-                        ("c", BudgetRange(1, 9))):
-        store.put_result(key, result)
-        assert store.get_result(key) == result
-    store.put_result("a", Solved('{"x": 2}'))  # first answer wins: answers never change
-    assert store.get_result("a") == Solved('{"x": 1}')
-    assert store.get_result("missing") is None
+def test_the_store_keeps_answers_and_jobs(tmp_path: Path) -> None:
+    store = SqliteStore(tmp_path / "db.sqlite3")
+    for key, answer in (("a", Solved(solution_json='{"x": 1}')),
+                        ("b", Infeasible(budget_bytes=5, min_budget_bytes=77)),
+                        ("c", BudgetRange(min_feasible_budget=1, max_useful_budget=9))):
+        store.record(key, answer)
+        assert store.get_answer(key) == answer
+    store.record("a", Solved(solution_json='{"x": 2}'))  # first answer wins: answers never change
+    assert store.get_answer("a") == Solved(solution_json='{"x": 1}')
+    assert store.get_answer("missing") is None
+    store.record("d", Failed(message="no"))  # not an answer: not cached
+    assert store.get_answer("d") is None
 
-    spec = {"graph_hash": "h", "budget_bytes": 5, "options": {}}
-    store.put_job("j", "queued", spec, "{}")
-    assert store.unfinished_jobs() == [("j", spec, "{}")]
-    store.update_job("j", "succeeded", solution_json='{"x": 1}', progress={"elapsed_s": 1.0})
+    task = SolveTask(graph_hash="h", budget_bytes=5, options=SolveOptions())
+    store.put_job("j", task, "{}")
+    assert store.unfinished_jobs() == [("j", task, "{}")]
+    store.record("j", Solved(solution_json='{"x": 1}'), Progress(elapsed_s=1.0))
     store.close()
-    reopened = Store(tmp_path / "db.sqlite3")
+    reopened = SqliteStore(tmp_path / "db.sqlite3")
     job = reopened.get_job("j")
-    assert job is not None and job.status == "succeeded" and job.solution_json == '{"x": 1}'
-    assert job.progress == {"elapsed_s": 1.0} and reopened.unfinished_jobs() == []
+    assert job is not None and job.task == task and job.outcome == Solved(solution_json='{"x": 1}')
+    assert job.progress == Progress(elapsed_s=1.0) and reopened.unfinished_jobs() == []
+
+
+def test_a_job_keeps_its_graph_only_while_unfinished(tmp_path: Path) -> None:
+    store = SqliteStore(tmp_path / "db.sqlite3")
+    tasks = [SolveTask(graph_hash="g", budget_bytes=b, options=SolveOptions()) for b in (1, 2)]
+    for i, task in enumerate(tasks):
+        store.put_job(f"j{i}", task, '{"graph": "g"}')
+    store.record("j0", Cancelled())
+    assert [key for key, _, graph in store.unfinished_jobs()] == ["j1"]  # j1 still needs g
+    store.record("j1", Failed(message="no"))
+    assert store.unfinished_jobs() == []
+    store.put_job("j0", tasks[0], '{"graph": "g"}')  # a restart brings the graph again
+    assert [(key, graph) for key, _, graph in store.unfinished_jobs()] == [
+        ("j0", '{"graph": "g"}')]
 
 
 def test_pareto_marks_the_points_nothing_beats() -> None:
@@ -111,5 +129,5 @@ def test_pareto_marks_the_points_nothing_beats() -> None:
 
     points = [FrontierPoint(budget_bytes=1, status=SolveStatus.INFEASIBLE),
               point(10, 9, 50), point(20, 9, 50), point(30, 25, 60), point(40, 30, 0)]
-    _mark_pareto(points)
+    mark_pareto(points)
     assert [p.pareto for p in points] == [False, True, True, False, True]

@@ -11,9 +11,10 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from pydantic import BaseModel, ValidationError
 
-from optiremat.service.api.problems import GRAPH_TOO_LARGE, ProblemError
+from optiremat.service.api.problems import ProblemError
 from optiremat.service.core.config import Settings
-from optiremat.service.core.executor import Executor
+from optiremat.service.core.front import Front
+from optiremat.service.core.models import GRAPH_TOO_LARGE
 from optiremat.solver.graph import CostGraph
 from optiremat.solver.solution import SolveOptions
 
@@ -26,15 +27,17 @@ _bearer = HTTPBearer(
 
 
 def get_settings(request: Request) -> Settings:
-    return request.app.state.settings
+    settings: Settings = request.app.state.settings
+    return settings
 
 
-def get_executor(request: Request) -> Executor:
-    return request.app.state.executor
+def get_front(request: Request) -> Front:
+    front: Front = request.app.state.front
+    return front
 
 
 SettingsDep = Annotated[Settings, Depends(get_settings)]
-ExecutorDep = Annotated[Executor, Depends(get_executor)]
+FrontDep = Annotated[Front, Depends(get_front)]
 
 
 async def require_api_key(

@@ -1,4 +1,4 @@
-"""Wires the app: settings, lifespan (the executor), middleware, handlers, routes."""
+"""Wires the app: settings, lifespan (the front and its executor), middleware, handlers, routes."""
 
 from __future__ import annotations
 
@@ -13,8 +13,10 @@ from optiremat.service.api.openapi import install_openapi
 from optiremat.service.api.problems import install_problem_handlers
 from optiremat.service.api.routes import frontier, health, jobs, solve
 from optiremat.service.core.config import Settings, redact_url
-from optiremat.service.core.executor import start_executor
+from optiremat.service.core.front import Front
 from optiremat.service.core.metrics import Metrics
+from optiremat.service.core.runs import Executor
+from optiremat.service.core.tasks import solver_version
 
 log = logging.getLogger("optiremat.service")
 
@@ -25,14 +27,15 @@ def create_app(settings: Settings | None = None) -> FastAPI:
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        app.state.executor = executor = await start_executor(settings, metrics)
+        app.state.front = front = Front(_executor(settings, metrics), metrics)
+        await front.start()
         where = ({"redis": redact_url(settings.redis_url)} if settings.redis_url
                  else {"data_dir": str(settings.data_dir), "workers": settings.workers})
         log.info("serving", extra={**where, "auth": bool(settings.api_keys)})
         try:
             yield
         finally:
-            await executor.stop()
+            await front.stop()
 
     app = FastAPI(
         title="optiremat",
@@ -53,9 +56,18 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     return app
 
 
-def _version() -> str:
-    from optiremat.service.core.front import solver_version
+def _executor(settings: Settings, metrics: Metrics) -> Executor:
+    """Cluster mode with a Redis URL, else the embedded default."""
+    if settings.redis_url:  # imports redis and rq only when used
+        from optiremat.service.core.rq_executor import RQExecutor
 
+        return RQExecutor.from_settings(settings, metrics)
+    from optiremat.service.core.pool_executor import PoolExecutor
+
+    return PoolExecutor.from_settings(settings, metrics)
+
+
+def _version() -> str:
     return solver_version().split("+")[0].removeprefix("optiremat-")
 
 

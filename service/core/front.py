@@ -1,154 +1,56 @@
-"""Cache, single-flight and jobs on top of the worker pool.
+"""The front of the run layer: request hashes, the body memo, the cache, single-flight,
+job views and the frontier sweep, the same over either executor.
 
-Every solver call is identified by a request hash. A call goes: in-flight map
-(an identical call already running: wait for it) -> result store (answered
-before: serve it) -> worker pool (solve, then store). The in-flight entry is
-removed only after the result is stored, so a caller either joins the run or
-finds the stored result: identical requests never solve twice.
+Every solver call is identified by a request hash (``tasks``). A call goes: this
+process's flights (an identical call already waited on here: join it) -> the store
+(answered before: serve it) -> ``Executor.ensure`` (join the run under way, in this
+process or, in cluster mode, anywhere; else start one) -> ``Executor.wait``. A
+flight ends only after the executor has recorded the outcome, so a caller either
+joins the run or finds its answer: identical requests never solve twice.
 
-A job is the same run with a row in the store whose id is the request hash.
-
-``SolveManager`` is the embedded executor; ``rq_executor.ClusterManager`` is the
-Redis one. Both answer the routes through ``executor.Executor``, and
-share the pieces below that do not depend on where the solve runs (request hash,
-job views, the frontier sweep, the body memo).
+A job is the same run, also recorded as a job under its request hash.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import hashlib
-import json
 import logging
 from collections import OrderedDict
-from dataclasses import dataclass
+from collections.abc import Callable, Coroutine
+from dataclasses import replace
 from datetime import UTC, datetime
-from typing import TYPE_CHECKING, Any
+from typing import Any, TypeVar
 
-from optiremat.service.api.models import (
+from optiremat.service.core.errors import Unavailable
+from optiremat.service.core.metrics import Metrics
+from optiremat.service.core.models import (
     Frontier,
     FrontierPoint,
     Job,
     JobStatus,
-    Progress,
+    Problem,
     Readiness,
 )
-from optiremat.service.api.problems import (
-    INFEASIBLE_BUDGET,
-    SOLVE_FAILED,
-    Problem,
-    ProblemError,
-    problem_body,
-)
-from optiremat.service.core.metrics import Metrics
-from optiremat.service.core.pool import Cancelled, Interrupted, Outcome, Task, WorkerPool, settled
-from optiremat.service.core.store import JobRecord, Store
-from optiremat.service.core.worker import (
+from optiremat.service.core.outcome import (
     BudgetRange,
+    Cancelled,
     Failed,
     Infeasible,
-    ProgressReport,
+    Interrupted,
+    Outcome,
     Solved,
-    solver_version,
+    reusable,
 )
+from optiremat.service.core.runs import Executor, JobRecord, job_status
+from optiremat.service.core.tasks import BudgetRangeTask, SolveTask, Task
 from optiremat.solver.frontier import SweepResult, mark_pareto, point_fields, spaced_budgets
 from optiremat.solver.graph import CostGraph
 from optiremat.solver.solution import InfeasibleBudgetError, Solution, SolveOptions
 
-if TYPE_CHECKING:
-    from optiremat.service.core.executor import Executor
-
-__all__ = ["SolveManager", "frontier", "job_fields", "job_view", "solve_key", "solver_version"]
-
 log = logging.getLogger("optiremat.service")
+T = TypeVar("T")
 BODY_MEMO_SIZE = 4096  # body digests remembered; 100 bytes each
-
-
-def _digest(doc: dict[str, Any]) -> str:
-    return hashlib.sha256(
-        json.dumps(doc, sort_keys=True, separators=(",", ":")).encode()
-    ).hexdigest()
-
-
-def solve_key(graph_hash: str, budget_bytes: int, options: SolveOptions) -> str:
-    """The request hash of a solve: job id, cache key and single-flight key."""
-    return _digest({
-        "kind": "solve",
-        "graph_hash": graph_hash,
-        "budget_bytes": budget_bytes,
-        "options": options.model_dump(mode="json"),
-        "solver_version": solver_version(),
-    })
-
-
-def budget_range_key(graph_hash: str, tie: bool) -> str:
-    return _digest({"kind": "budget_range", "graph_hash": graph_hash, "tie": tie,
-                    "solver_version": solver_version()})
-
-
-def progress_dict(report: ProgressReport | None) -> dict[str, Any] | None:
-    if report is None:
-        return None
-    return Progress(incumbent_flops=report.incumbent_flops, bound_flops=report.bound_flops,
-                    elapsed_s=report.elapsed_s).model_dump()
-
-
-@dataclass(eq=False)
-class _Run:
-    key: str
-    kind: str
-    graph: CostGraph
-    payload: dict[str, Any]  # task payload without the graph (added on a cache miss)
-    future: asyncio.Future[Outcome]
-    is_job: bool = False
-    cancel_requested: bool = False
-    task: Task | None = None
-    progress: ProgressReport | None = None
-
-
-def infeasible_problem(budget_bytes: int, min_budget_bytes: int) -> dict[str, Any]:
-    return problem_body(
-        422, "Infeasible budget",
-        f"no plan keeps residuals within {budget_bytes} bytes; the smallest feasible "
-        f"budget for this graph is {min_budget_bytes} bytes",
-        type=INFEASIBLE_BUDGET, min_budget_bytes=min_budget_bytes,
-    )
-
-
-def job_fields(outcome: Outcome) -> tuple[JobStatus, str | None, dict[str, Any] | None]:
-    """A finished run's job status, solution JSON and error problem."""
-    if isinstance(outcome, Solved):
-        return JobStatus.SUCCEEDED, outcome.solution_json, None
-    if isinstance(outcome, Infeasible):
-        return (JobStatus.FAILED, None,
-                infeasible_problem(outcome.budget_bytes, outcome.min_budget_bytes))
-    if isinstance(outcome, Cancelled):
-        partial = outcome.partial
-        return (JobStatus.CANCELLED,
-                partial.solution_json if isinstance(partial, Solved) else None, None)
-    message = outcome.message if isinstance(outcome, Failed) else repr(outcome)
-    return JobStatus.FAILED, None, problem_body(500, "Solve failed", message, type=SOLVE_FAILED)
-
-
-def job_view(record: JobRecord, *, status: JobStatus | None = None,
-             progress: dict[str, Any] | None = None) -> Job:
-    """The API's Job for a stored record; ``status`` and ``progress`` override the
-    record's while the run is live."""
-    progress = record.progress if progress is None else progress
-    return Job(
-        id=record.id,
-        status=JobStatus(record.status) if status is None else status,
-        graph_hash=record.spec["graph_hash"],
-        budget_bytes=record.spec["budget_bytes"],
-        options=SolveOptions.model_validate(record.spec["options"]),
-        created_at=datetime.fromtimestamp(record.created_at, UTC),
-        updated_at=datetime.fromtimestamp(record.updated_at, UTC),
-        progress=None if progress is None else Progress.model_validate(progress),
-        solution=None if record.solution_json is None
-        else Solution.model_validate_json(record.solution_json),
-        error=None if record.error is None else Problem.model_validate(record.error),
-    )
 
 
 class BodyMemo:
@@ -176,205 +78,199 @@ class BodyMemo:
         return key
 
 
-class SolveManager:
-    def __init__(self, store: Store, pool: WorkerPool, metrics: Metrics) -> None:
-        self._store = store
-        self._pool = pool
+def job_view(record: JobRecord, outcome: Outcome | None, running: bool = False) -> Job:
+    """The API's Job: ``outcome`` is the record's, or the live run's once it ended."""
+    solution = error = None
+    if outcome is None:
+        status = JobStatus.RUNNING if running else JobStatus.QUEUED
+    else:
+        status = job_status(outcome)
+        if isinstance(outcome, Cancelled):
+            solution = outcome.partial if isinstance(outcome.partial, Solved) else None
+        elif isinstance(outcome, Solved):
+            solution = outcome
+        elif isinstance(outcome, Infeasible):
+            error = Problem.infeasible(outcome.budget_bytes, outcome.min_budget_bytes)
+        else:
+            error = Problem.solve_failed(
+                outcome.message if isinstance(outcome, Failed) else repr(outcome))
+    task = record.task
+    return Job(
+        id=record.key, status=status, graph_hash=task.graph_hash,
+        budget_bytes=task.budget_bytes, options=task.options,
+        created_at=datetime.fromtimestamp(record.created_at, UTC),
+        updated_at=datetime.fromtimestamp(record.updated_at, UTC),
+        progress=record.progress,
+        solution=None if solution is None else Solution.model_validate_json(solution.solution_json),
+        error=error,
+    )
+
+
+class Front:
+    def __init__(self, executor: Executor, metrics: Metrics) -> None:
+        self._executor = executor
+        self._store = executor.store
         self._metrics = metrics
-        self._inflight: dict[str, _Run] = {}
-        self._drivers: set[asyncio.Task[None]] = set()
+        self._flights: dict[str, asyncio.Future[Outcome]] = {}
+        self._tasks: set[asyncio.Task[None]] = set()
         self._body_keys = BodyMemo()
 
+    async def _read(self, fn: Callable[..., T], *args: Any) -> T:
+        """A blocking store call in a thread; the store being down is a 503."""
+        try:
+            return await asyncio.to_thread(fn, *args)
+        except Exception as exc:
+            unavailable = self._store.unavailable(exc)
+            if unavailable is None:
+                raise
+            raise unavailable from exc
+
+    def _spawn(self, coro: Coroutine[Any, Any, None]) -> None:
+        task = asyncio.create_task(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    # ---- lifecycle ----------------------------------------------------------
+
     async def start(self) -> None:
-        """Requeue the jobs a previous server process left unfinished."""
-        for job_id, spec, graph_json in await asyncio.to_thread(self._store.unfinished_jobs):
-            graph = CostGraph.model_validate_json(graph_json)
-            options = SolveOptions.model_validate(spec["options"])
-            if solve_key(graph.content_hash, spec["budget_bytes"], options) != job_id:
-                await asyncio.to_thread(
-                    self._store.update_job, job_id, JobStatus.FAILED,
-                    error=problem_body(409, "Solver changed",
-                                       "the solver was upgraded since this job was submitted; "
-                                       "submit the request again", type=SOLVE_FAILED),
-                )
-                continue
-            self._run_solve(graph, spec["budget_bytes"], options, as_job=True)
-            log.info("requeued job %s", job_id)
+        await self._executor.start()
 
     async def stop(self) -> None:
-        await self._pool.stop()
-        await asyncio.gather(*self._drivers, return_exceptions=True)
-        self._store.close()
+        """Stop the executor; whoever still waits here is told the server stopped."""
+        await self._executor.stop()
+        for future in self._flights.values():
+            if not future.done():
+                future.set_result(Interrupted())
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
 
     async def readiness(self) -> Readiness:
-        try:
-            await asyncio.to_thread(self._store.ping)
-        except Exception as exc:
-            raise ProblemError(503, "Not ready",
-                               f"the result store does not answer: {exc}") from exc
-        pool = self._pool
-        if pool.ready_workers < pool.size:
-            raise ProblemError(503, "Not ready",
-                               f"{pool.ready_workers} of {pool.size} worker processes are ready")
-        return Readiness(workers=pool.size, queue_depth=pool.queue_depth)
+        return await self._executor.readiness()
 
-    # ---- runs -------------------------------------------------------------
+    # ---- answers --------------------------------------------------------------
 
-    def _run(self, key: str, kind: str, graph: CostGraph, payload: dict[str, Any],
-             *, as_job: bool = False) -> _Run:
-        run = self._inflight.get(key)
-        if run is not None:
+    def _flight(self, task: Task, graph: CostGraph) -> asyncio.Future[Outcome]:
+        future = self._flights.get(task.key)
+        if future is not None:
             self._metrics.coalesced.inc()
-        else:
-            run = _Run(key, kind, graph, payload, asyncio.get_running_loop().create_future())
-            self._inflight[key] = run
-            driver = asyncio.create_task(self._drive(run))
-            self._drivers.add(driver)
-            driver.add_done_callback(self._drivers.discard)
-        run.is_job = run.is_job or as_job
-        return run
+            return future
+        future = asyncio.get_running_loop().create_future()
+        # Retrieve an exception nobody awaited (every client hung up) so it is not logged.
+        future.add_done_callback(lambda f: f.cancelled() or f.exception())
+        self._flights[task.key] = future
+        self._spawn(self._fly(task, graph, future))
+        return future
 
-    def _run_solve(self, graph: CostGraph, budget_bytes: int, options: SolveOptions,
-                   *, as_job: bool = False) -> _Run:
-        key = solve_key(graph.content_hash, budget_bytes, options)
-        payload = {"budget_bytes": budget_bytes, "options": options.model_dump(mode="json")}
-        return self._run(key, "solve", graph, payload, as_job=as_job)
-
-    async def _drive(self, run: _Run) -> None:
+    async def _fly(self, task: Task, graph: CostGraph, future: asyncio.Future[Outcome]) -> None:
         try:
-            outcome = await self._resolve(run)
-        except Exception as exc:  # a store failure must not leave waiters hanging
-            log.exception("run %s failed", run.key)
-            outcome = Failed(f"internal error: {type(exc).__name__}: {exc}")
-        if run.is_job and not isinstance(outcome, Interrupted):
-            await asyncio.to_thread(self._finish_job, run, outcome)
-        run.future.set_result(outcome)
-        del self._inflight[run.key]
+            outcome = await self._resolve(task, graph)
+            if not future.done():
+                future.set_result(outcome)
+        except Exception as exc:  # e.g. the store is down: every waiter hears it
+            if not future.done():
+                future.set_exception(exc)
+        finally:
+            if self._flights.get(task.key) is future:
+                del self._flights[task.key]
 
-    async def _resolve(self, run: _Run) -> Outcome:
-        stored = await asyncio.to_thread(self._store.get_result, run.key)
+    async def _resolve(self, task: Task, graph: CostGraph) -> Outcome:
+        stored = await self._read(self._store.get_answer, task.key)
         if stored is not None:
             self._metrics.cache_hits.inc()
             return stored
-        graph_json = await asyncio.to_thread(run.graph.canonical_json)  # MBs: off the loop
-        if run.cancel_requested:  # cancelled before it reached the queue
-            return Cancelled(None)
-        payload = {**run.payload, "graph_json": graph_json}
-        # No await between creating the task and queueing it: cancel_job sees either
-        # no task (and the check above) or a task it can cancel.
-        run.task = Task(run.kind, payload,
-                        on_progress=lambda report: setattr(run, "progress", report))
-        outcome = settled(await self._pool.submit(run.task))
-        if isinstance(outcome, Solved | Infeasible | BudgetRange):
-            await asyncio.to_thread(self._store.put_result, run.key, outcome)
+        if await self._executor.ensure(task, graph, job=False):
+            self._metrics.coalesced.inc()  # a run this process did not start
+        outcome = await self._executor.wait(task.key)
+        assert outcome is not None
         return outcome
-
-    # ---- synchronous use ----------------------------------------------------
 
     async def solve(self, graph: CostGraph, budget_bytes: int, options: SolveOptions,
                     *, body_digest: bytes | None = None) -> Outcome:
         """The answer for this request; ``body_digest`` lets ``stored_answer`` find it
         again from the raw body alone."""
-        run = self._run_solve(graph, budget_bytes, options)
+        task = SolveTask(graph_hash=graph.content_hash, budget_bytes=budget_bytes,
+                         options=options)
         if body_digest is not None:
-            self._body_keys.remember(body_digest, run.key)
+            self._body_keys.remember(body_digest, task.key)
         # shield: a client that hangs up must not cancel a run others may be waiting on
-        return await asyncio.shield(run.future)
+        return await asyncio.shield(self._flight(task, graph))
 
     async def stored_answer(self, body_digest: bytes) -> Outcome | None:
         """The stored answer for a body ``solve`` has seen, without parsing it again."""
         key = self._body_keys.key_for(body_digest)
         if key is None:
             return None
-        stored = await asyncio.to_thread(self._store.get_result, key)
+        stored = await self._read(self._store.get_answer, key)
         if stored is not None:
             self._metrics.cache_hits.inc()
         return stored
 
-    async def budget_range(self, graph: CostGraph, tie: bool) -> Outcome:
-        key = budget_range_key(graph.content_hash, tie)
-        run = self._run(key, "budget_range", graph, {"tie": tie})
-        return await asyncio.shield(run.future)
+    async def frontier(self, graph: CostGraph, budgets: list[int] | None, count: int | None,
+                       options: SolveOptions) -> Frontier | Outcome:
+        """The sweep, or the outcome that stopped it (cancelled, interrupted, failed).
 
-    # ---- jobs ---------------------------------------------------------------
+        Each point is one ``solve``, so it is cached and single-flight like
+        ``POST /v1/solve``.
+        """
+        low = high = None
+        if budgets is None:
+            assert count is not None
+            task = BudgetRangeTask(graph_hash=graph.content_hash, tie=options.tie)
+            span = await asyncio.shield(self._flight(task, graph))
+            if not isinstance(span, BudgetRange):
+                return span
+            low, high = span.min_feasible_budget, span.max_useful_budget
+            budgets = spaced_budgets(low, high, count)
+        budgets = sorted(set(budgets))
+        outcomes = await asyncio.gather(*(self.solve(graph, b, options) for b in budgets))
+        points = []
+        for budget, outcome in zip(budgets, outcomes, strict=True):
+            if isinstance(outcome, Infeasible):
+                result: SweepResult = InfeasibleBudgetError(budget, outcome.min_budget_bytes)
+            elif isinstance(outcome, Solved):
+                result = Solution.model_validate_json(outcome.solution_json)
+            else:
+                return outcome
+            points.append(FrontierPoint(**point_fields(budget, result)))
+        mark_pareto(points)
+        return Frontier(graph_hash=graph.content_hash, options=options, min_feasible_budget=low,
+                        max_useful_budget=high, points=points)
+
+    # ---- jobs -----------------------------------------------------------------
 
     async def submit_job(self, graph: CostGraph, budget_bytes: int,
                          options: SolveOptions) -> Job:
         """The job for this request: the existing one, or a new (or restarted) one when
         there is none or it failed or was cancelled."""
-        key = solve_key(graph.content_hash, budget_bytes, options)
-        record = await asyncio.to_thread(self._store.get_job, key)
-        if record is not None and record.status not in (JobStatus.FAILED, JobStatus.CANCELLED):
-            return self._view(record)
-        spec = {"graph_hash": graph.content_hash, "budget_bytes": budget_bytes,
-                "options": options.model_dump(mode="json")}
-        graph_json = await asyncio.to_thread(graph.canonical_json)
-        await asyncio.to_thread(self._store.put_job, key, JobStatus.QUEUED, spec, graph_json)
-        self._run_solve(graph, budget_bytes, options, as_job=True)
-        record = await asyncio.to_thread(self._store.get_job, key)
-        assert record is not None
-        return self._view(record)
+        task = SolveTask(graph_hash=graph.content_hash, budget_bytes=budget_bytes,
+                         options=options)
+        record = await self._read(self._store.get_job, task.key)
+        if record is None or not reusable(record.outcome):
+            await self._executor.ensure(task, graph, job=True)
+            record = await self._read(self._store.get_job, task.key)
+            assert record is not None, "ensure(job=True) records the job"
+        return await self._view(record)
 
     async def get_job(self, job_id: str) -> Job | None:
-        record = await asyncio.to_thread(self._store.get_job, job_id)
-        return None if record is None else self._view(record)
+        record = await self._read(self._store.get_job, job_id)
+        return None if record is None else await self._view(record)
 
     async def cancel_job(self, job_id: str, wait_s: float = 5.0) -> Job | None:
         """Cancel a queued or running job and wait (briefly) for it to settle."""
-        run = self._inflight.get(job_id)
-        if run is not None and run.is_job:
-            run.cancel_requested = True
-            if run.task is not None:
-                self._pool.cancel(run.task)
-            with contextlib.suppress(TimeoutError):  # still stopping: report it as it is
-                await asyncio.wait_for(asyncio.shield(run.future), timeout=wait_s)
+        record = await self._read(self._store.get_job, job_id)
+        if record is None:
+            return None
+        if record.outcome is None:
+            await self._executor.cancel(job_id)
+            with contextlib.suppress(Unavailable):  # the store went away: report it as it is
+                await self._executor.wait(job_id, timeout_s=wait_s)
         return await self.get_job(job_id)
 
-    def _view(self, record: JobRecord) -> Job:
-        run = self._inflight.get(record.id)
-        if run is not None and record.status in (JobStatus.QUEUED, JobStatus.RUNNING):
-            # The live run is the truth while the job is unfinished.
-            running = run.task is not None and run.task.running
-            return job_view(record, status=JobStatus.RUNNING if running else JobStatus.QUEUED,
-                            progress=progress_dict(run.progress))
-        return job_view(record)
-
-    def _finish_job(self, run: _Run, outcome: Outcome) -> None:
-        status, solution_json, error = job_fields(outcome)
-        self._store.update_job(run.key, status, solution_json=solution_json, error=error,
-                               progress=progress_dict(run.progress))
-        log.info("job %s finished: %s", run.key, type(outcome).__name__)
-
-
-async def frontier(backend: Executor, graph: CostGraph, budgets: list[int] | None,
-                   count: int | None, options: SolveOptions) -> Frontier | Outcome:
-    """The sweep, or the outcome that stopped it (cancelled, interrupted, failed).
-
-    Each point is one ``backend.solve``, so it is cached and single-flight like
-    ``POST /v1/solve``, whichever backend runs it.
-    """
-    low = high = None
-    if budgets is None:
-        assert count is not None
-        span = await backend.budget_range(graph, options.tie)
-        if not isinstance(span, BudgetRange):
-            return span
-        low, high = span.min_feasible_budget, span.max_useful_budget
-        budgets = spaced_budgets(low, high, count)
-    budgets = sorted(set(budgets))
-    outcomes = await asyncio.gather(*(backend.solve(graph, b, options) for b in budgets))
-    points = []
-    for budget, outcome in zip(budgets, outcomes, strict=True):
-        if isinstance(outcome, Infeasible):
-            result: SweepResult = InfeasibleBudgetError(budget, outcome.min_budget_bytes)
-        elif isinstance(outcome, Solved):
-            result = Solution.model_validate_json(outcome.solution_json)
-        else:
-            return outcome
-        points.append(FrontierPoint(**point_fields(budget, result)))
-    mark_pareto(points)
-    return Frontier(graph_hash=graph.content_hash, options=options, min_feasible_budget=low,
-                    max_useful_budget=high, points=points)
-
-
-_mark_pareto = mark_pareto  # its name before the sweep moved to solver.frontier
+    async def _view(self, record: JobRecord) -> Job:
+        if record.outcome is not None:
+            return job_view(record, record.outcome)
+        live = await self._executor.live(record.key)  # the live run is the truth meanwhile
+        if live.progress is not None:
+            record = replace(record, progress=live.progress)
+        return job_view(record, live.outcome, live.running)

@@ -1,29 +1,30 @@
-"""Cluster mode's state in Redis: runs, results, graphs, cancel flags and the RQ queue.
+"""Cluster mode's state in Redis: runs, answers, graphs, cancel flags and the RQ queue.
 
 Blocking calls, shared by the API replicas (through ``asyncio.to_thread``) and the
-RQ workers; like ``optiremat.service.core.worker`` it imports neither FastAPI nor JAX.
+RQ workers; it imports neither FastAPI nor JAX. Outcomes are kept in the one codec
+of ``optiremat.service.core.outcome``, as in the SQLite store.
 
-Keys, each expiring ``ttl_s`` after its last write:
+Keys (``PREFIX`` carries the layout's version), each expiring ``ttl_s`` after its
+last write:
 
-- ``optiremat:run:{key}``: a hash per request hash, the run of that request:
-  ``kind``, ``spec``, ``job`` (submitted through ``/v1/jobs``), ``generation`` (a
-  fresh id each time the run is started, so a late write from an older run is
-  ignored), times, ``progress``, and ``outcome`` once it has finished;
-- ``optiremat:result:{key}``: the cached answer (a plan, an infeasible budget, a
+- ``{PREFIX}:run:{key}``: a hash per request hash, the run of that request:
+  ``task``, ``job`` (submitted through ``/v1/jobs``), ``generation`` (a fresh id
+  each time the run is started, so a late write from an older run is ignored),
+  times, ``progress``, ``worker``, and ``outcome`` once it has finished;
+- ``{PREFIX}:answer:{key}``: the cached answer (a plan, an infeasible budget, a
   budget range); written once, with the run's outcome;
-- ``optiremat:graph:{graph_hash}``: the canonical graph JSON, uploaded once per
+- ``{PREFIX}:graph:{graph_hash}``: the canonical graph JSON, uploaded once per
   graph rather than once per budget;
-- ``optiremat:cancel:{key}``: set to cancel; the worker solving ``key`` polls it.
+- ``{PREFIX}:cancel:{key}``: set to cancel; the worker solving ``key`` polls it.
 
 The RQ job that runs a request has the request hash as its id, so a request is
 queued once however many replicas receive it. Its queue is named after the
-solver version (``optiremat.<version>``): a worker only takes requests whose hash
-its own solver would compute, and a rolling upgrade never mixes versions.
+layout and the solver version (``queue_name``): a worker only takes requests
+whose hash its own solver would compute, and a rolling upgrade never mixes them.
 """
 
 from __future__ import annotations
 
-import json
 import math
 import time
 import uuid
@@ -32,7 +33,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from redis import Redis
-from redis.exceptions import WatchError
+from redis.exceptions import RedisError, WatchError
 from rq import Queue, Retry
 from rq.exceptions import InvalidJobOperation, NoSuchJobError
 from rq.job import Job as RQJob
@@ -46,10 +47,23 @@ from rq.registry import (
 from rq.results import Result
 from rq.serializers import JSONSerializer
 
-from optiremat.service.core.pool import Cancelled, Outcome
-from optiremat.service.core.worker import BudgetRange, Failed, Infeasible, Solved, solver_version
+from optiremat.service.core.errors import Unavailable
+from optiremat.service.core.models import Progress
+from optiremat.service.core.outcome import (
+    Answer,
+    Cancelled,
+    Failed,
+    Outcome,
+    decode,
+    encode,
+    is_answer,
+    reusable,
+)
+from optiremat.service.core.runs import JobRecord, Live
+from optiremat.service.core.tasks import TASKS, SolveTask, Task, solver_version
 
-PREFIX = "optiremat"
+# 2: one outcome codec for both stores, runs keyed by their task (1 had its own codec)
+PREFIX = "optiremat:v2"
 # The solver stops at its own time limit; the queue's job timeout leaves this much on
 # top for loading the graph, building the model and checking the plan, so a long
 # solve ends with its incumbent instead of being killed.
@@ -58,86 +72,30 @@ TASK_FUNCTION = "optiremat.service.core.rq_worker.run_job"
 _LIVE = (RQStatus.QUEUED, RQStatus.STARTED, RQStatus.SCHEDULED, RQStatus.DEFERRED,
          RQStatus.CREATED, RQStatus.READY_TO_ENQUEUE)
 
-StoredResult = Solved | Infeasible | BudgetRange
-
 
 def queue_name() -> str:
-    return f"{PREFIX}.{solver_version()}"
+    return f"{PREFIX.replace(':', '.')}.{solver_version()}"
 
 
 def job_timeout_s(time_limit_s: float) -> int:
     return math.ceil(time_limit_s) + JOB_TIMEOUT_MARGIN_S
 
 
-# ---- outcomes as JSON --------------------------------------------------------
-
-
-def encode_outcome(outcome: Outcome) -> str:
-    return json.dumps(_outcome_doc(outcome))
-
-
-def _outcome_doc(outcome: Outcome | None) -> dict[str, Any] | None:
-    if outcome is None:
-        return None
-    if isinstance(outcome, Solved):  # the solution's JSON is kept as a string: served as is
-        return {"type": "solved", "solution_json": outcome.solution_json}
-    if isinstance(outcome, Infeasible):
-        return {"type": "infeasible", "budget_bytes": outcome.budget_bytes,
-                "min_budget_bytes": outcome.min_budget_bytes}
-    if isinstance(outcome, BudgetRange):
-        return {"type": "budget_range", "min": outcome.min_feasible_budget,
-                "max": outcome.max_useful_budget}
-    if isinstance(outcome, Failed):
-        return {"type": "failed", "message": outcome.message}
-    if isinstance(outcome, Cancelled):
-        return {"type": "cancelled", "partial": _outcome_doc(outcome.partial)}
-    raise TypeError(f"{outcome!r} is not stored")
-
-
-def decode_outcome(text: str | bytes) -> Outcome:
-    outcome = _from_doc(json.loads(text))
-    assert outcome is not None
-    return outcome
-
-
-def _from_doc(doc: dict[str, Any] | None) -> Outcome | None:
-    if doc is None:
-        return None
-    kind = doc["type"]
-    if kind == "solved":
-        return Solved(doc["solution_json"])
-    if kind == "infeasible":
-        return Infeasible(doc["budget_bytes"], doc["min_budget_bytes"])
-    if kind == "budget_range":
-        return BudgetRange(doc["min"], doc["max"])
-    if kind == "failed":
-        return Failed(doc["message"])
-    partial = _from_doc(doc["partial"])
-    assert partial is None or isinstance(partial, Solved | Infeasible | BudgetRange | Failed)
-    return Cancelled(partial)
-
-
-def reusable(outcome: Outcome | None) -> bool:
-    """A run still going, or one that answered: joined, never started again. A failed,
-    cancelled or infeasible one is started again by the next request, as in the
-    embedded mode (an infeasible budget is then answered from the cache)."""
-    return outcome is None or isinstance(outcome, Solved | BudgetRange)
-
-
-# ---- records -------------------------------------------------------------------
-
-
 @dataclass(frozen=True)
 class RunRecord:
     key: str
-    kind: str
-    spec: dict[str, Any]
+    task: Task
     job: bool
     generation: str
     created_at: float
     updated_at: float
-    progress: dict[str, Any] | None
+    progress: Progress | None
     outcome: Outcome | None
+
+    def as_job(self) -> JobRecord:
+        assert isinstance(self.task, SolveTask)
+        return JobRecord(self.key, self.task, self.created_at, self.updated_at, self.outcome,
+                         self.progress)
 
 
 def _text(value: bytes | str) -> str:
@@ -152,24 +110,14 @@ def _record(key: str, raw: Mapping[Any, Any]) -> RunRecord | None:
     outcome = fields.get("outcome")
     return RunRecord(
         key=key,
-        kind=fields["kind"],
-        spec=json.loads(fields["spec"]),
+        task=TASKS.validate_json(fields["task"]),
         job=fields.get("job") == "1",
         generation=fields["generation"],
         created_at=float(fields["created_at"]),
         updated_at=float(fields["updated_at"]),
-        progress=json.loads(progress) if progress else None,
-        outcome=None if outcome is None else decode_outcome(outcome),
+        progress=Progress.model_validate_json(progress) if progress else None,
+        outcome=None if outcome is None else decode(outcome),
     )
-
-
-@dataclass(frozen=True)
-class Live:
-    """Where an unfinished run stands: ``outcome`` once it has finished (or has been
-    found dead), else whether a worker is on it."""
-
-    outcome: Outcome | None
-    running: bool
 
 
 # Lua keeps each check-and-write atomic: a run's outcome is written once, and only by
@@ -196,7 +144,7 @@ return 0
 """
 
 
-class ClusterStore:
+class RedisStore:
     def __init__(self, redis: Redis, ttl_s: int, retries: int = 0) -> None:
         self.redis = redis
         self.ttl_s = ttl_s
@@ -210,8 +158,8 @@ class ClusterStore:
         return f"{PREFIX}:run:{key}"
 
     @staticmethod
-    def result_key(key: str) -> str:
-        return f"{PREFIX}:result:{key}"
+    def answer_key(key: str) -> str:
+        return f"{PREFIX}:answer:{key}"
 
     @staticmethod
     def graph_key(graph_hash: str) -> str:
@@ -221,25 +169,35 @@ class ClusterStore:
     def cancel_key(key: str) -> str:
         return f"{PREFIX}:cancel:{key}"
 
+    def unavailable(self, exc: Exception) -> Unavailable | None:
+        if not isinstance(exc, RedisError):
+            return None
+        return Unavailable("Store unavailable",
+                           f"Redis does not answer ({type(exc).__name__}: {exc}); retry shortly")
+
     # ---- reads ------------------------------------------------------------------
 
     def ping(self) -> None:
         self.redis.ping()
 
-    def get_result(self, key: str) -> StoredResult | None:
-        text = self.redis.get(self.result_key(key))
+    def get_answer(self, key: str) -> Answer | None:
+        text = self.redis.get(self.answer_key(key))
         if text is None:
             return None
-        result = decode_outcome(text)
-        assert isinstance(result, Solved | Infeasible | BudgetRange)
-        return result
+        answer = decode(text)
+        assert is_answer(answer)
+        return answer
 
     def get_run(self, key: str) -> RunRecord | None:
         return _record(key, self.redis.hgetall(self.run_key(key)))
 
+    def get_job(self, key: str) -> JobRecord | None:
+        record = self.get_run(key)
+        return record.as_job() if record is not None and record.job else None
+
     def outcome(self, key: str) -> Outcome | None:
         text = self.redis.hget(self.run_key(key), "outcome")
-        return None if text is None else decode_outcome(text)
+        return None if text is None else decode(text)
 
     def get_graph(self, graph_hash: str) -> str | None:
         text = self.redis.get(self.graph_key(graph_hash))
@@ -257,15 +215,15 @@ class ClusterStore:
     def put_graph(self, graph_hash: str, graph_json: str) -> None:
         self.redis.set(self.graph_key(graph_hash), graph_json, ex=self.ttl_s)
 
-    def ensure_run(self, key: str, kind: str, spec: dict[str, Any], payload: dict[str, Any],
-                   *, time_limit_s: float, as_job: bool) -> tuple[RunRecord, bool]:
+    def ensure_run(self, task: Task, *, job: bool) -> tuple[RunRecord, bool]:
         """The request's run, and whether this call started it.
 
         A run still going or answered is joined. Otherwise (none, or failed,
         cancelled, infeasible) a new generation starts: answered at once from the
-        result cache when it can be, else queued. WATCH makes the check and the
+        answer cache when it can be, else queued. WATCH makes the check and the
         enqueue one transaction, so replicas racing on one request queue it once.
         """
+        key = task.key
         run_key = self.run_key(key)
         with self.redis.pipeline() as pipe:
             while True:
@@ -273,33 +231,32 @@ class ClusterStore:
                     pipe.watch(run_key)
                     record = _record(key, pipe.hgetall(run_key))
                     if record is not None and reusable(record.outcome):
-                        if as_job and not record.job:
+                        if job and not record.job:
                             pipe.multi()
                             pipe.hset(run_key, "job", "1")
                             pipe.execute()
                             record = replace(record, job=True)
                         return record, False
-                    cached = self.get_result(key)
+                    cached = self.get_answer(key)
                     now = time.time()
-                    record = RunRecord(key, kind, spec, as_job or bool(record and record.job),
+                    record = RunRecord(key, task, job or bool(record and record.job),
                                        uuid.uuid4().hex, now, now, None, cached)
                     pipe.multi()
                     pipe.delete(run_key, self.cancel_key(key))
                     pipe.hset(run_key, mapping={
-                        "kind": kind, "spec": json.dumps(spec), "job": "1" if record.job else "0",
+                        "task": task.model_dump_json(), "job": "1" if record.job else "0",
                         "generation": record.generation, "created_at": now, "updated_at": now,
-                        **({"outcome": encode_outcome(cached)} if cached is not None else {}),
+                        **({"outcome": encode(cached)} if cached is not None else {}),
                     })
                     pipe.expire(run_key, self.ttl_s)
                     if cached is None:
-                        self._enqueue(pipe, record, payload, time_limit_s)
+                        self._enqueue(pipe, record)
                     pipe.execute()
                     return record, cached is None
                 except WatchError:
                     continue
 
-    def _enqueue(self, pipe: Any, record: RunRecord, payload: dict[str, Any],
-                 time_limit_s: float) -> None:
+    def _enqueue(self, pipe: Any, record: RunRecord) -> None:
         key = record.key
         # The id is reused across generations: drop what RQ kept of the last run, so its
         # registries' expiry cannot later delete the new job or report its old result.
@@ -308,13 +265,13 @@ class ClusterStore:
         pipe.delete(RQJob.key_for(key), Result.get_key(key))
         self.queue.enqueue_call(
             TASK_FUNCTION,
-            args=(record.kind, key, record.generation, payload, self.ttl_s),
+            args=(record.task.model_dump(mode="json"), key, record.generation, self.ttl_s),
             job_id=key,
-            timeout=job_timeout_s(time_limit_s),
+            timeout=job_timeout_s(record.task.time_limit_s),
             result_ttl=self.ttl_s,
             failure_ttl=self.ttl_s,
             retry=Retry(max=self.retries) if self.retries else None,
-            description=f"{record.kind} {key}",
+            description=f"{record.task.kind} {key}",
             pipeline=pipe,
         )
 
@@ -329,28 +286,32 @@ class ClusterStore:
             job = None
         status = None if job is None else job.get_status(refresh=False)
         if status in _LIVE:
-            return Live(None, status == RQStatus.STARTED)
+            return Live(None, running=status == RQStatus.STARTED)
         record = self.get_run(key)  # after the job: it may have finished meanwhile
         if record is None:
-            return Live(Failed("the run's record expired from Redis; submit it again"), False)
+            return Live(Failed(message="the run's record expired from Redis; submit it again"))
         if record.outcome is not None:
-            return Live(record.outcome, False)
+            return Live(record.outcome)
         if job is not None and job.args[2] != record.generation:
-            return Live(None, False)  # restarted between the two reads: look again later
-        self.finish(key, record.generation, Failed(_failure_reason(job, self.retries)))
+            return Live(None)  # restarted between the two reads: look again later
+        self.finish(key, record.generation,
+                    Failed(message=_failure_reason(job, self.retries)))
         outcome = self.outcome(key)
         assert outcome is not None
-        return Live(outcome, False)
+        return Live(outcome)
 
-    def cancel(self, key: str, generation: str) -> None:
-        """Flag the run for the worker that solves it; a run still in the queue is
-        taken out and finished as cancelled at once."""
+    def cancel(self, key: str) -> None:
+        """Flag the unfinished run for the worker that solves it; a run still in the
+        queue is taken out and finished as cancelled at once."""
+        record = self.get_run(key)
+        if record is None or record.outcome is not None:
+            return
         self.redis.set(self.cancel_key(key), "1", ex=self.ttl_s)
         try:
             job = RQJob.fetch(key, connection=self.redis, serializer=JSONSerializer)
             if job.get_status(refresh=False) == RQStatus.QUEUED:
                 job.cancel()
-                self.finish(key, generation, Cancelled(None))
+                self.finish(key, record.generation, Cancelled())
         except (NoSuchJobError, InvalidJobOperation):
             pass  # gone or taken meanwhile: the worker sees the flag
 
@@ -384,19 +345,19 @@ class ClusterStore:
         return bool(self._update_live(keys=[self.run_key(key)], args=argv))
 
     def finish(self, key: str, generation: str, outcome: Outcome,
-               progress: dict[str, Any] | None = None) -> bool:
+               progress: Progress | None = None) -> bool:
         """Record the run's outcome (once) and cache an answer; False if the run had
         finished already or was restarted meanwhile (the answer is cached anyway:
         it is the same answer)."""
-        cacheable = isinstance(outcome, Solved | Infeasible | BudgetRange)
+        text = encode(outcome)
+        answer = text if is_answer(outcome) else ""
         written = self._finish(
-            keys=[self.run_key(key), self.result_key(key)],
-            args=[generation, encode_outcome(outcome), time.time(), self.ttl_s,
-                  json.dumps(progress) if progress else "",
-                  encode_outcome(outcome) if cacheable else ""],
+            keys=[self.run_key(key), self.answer_key(key)],
+            args=[generation, text, time.time(), self.ttl_s,
+                  progress.model_dump_json() if progress else "", answer],
         )
-        if not written and cacheable:
-            self.redis.set(self.result_key(key), encode_outcome(outcome), ex=self.ttl_s, nx=True)
+        if not written and answer:
+            self.redis.set(self.answer_key(key), answer, ex=self.ttl_s, nx=True)
         return bool(written)
 
 

@@ -2,8 +2,8 @@
 
 The worker takes jobs from the Redis queue one at a time. RQ forks a work horse
 per job from this process, which imported the solver once; the horse runs
-``run_job``, which calls ``optiremat.service.core.worker.run_task`` (the very solve the embedded
-pool runs) and writes the outcome to Redis itself, so an answer never depends on
+``run_job``, which calls ``tasks.run_task`` (the very solve the embedded
+pool runs) and records the outcome in Redis itself, so an answer never depends on
 an API replica staying up.
 
 While a job runs, a thread in the horse polls the job's cancel flag (feeding the
@@ -17,13 +17,11 @@ Imports neither FastAPI nor JAX.
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import socket
 import threading
 import time
-from dataclasses import asdict
 from typing import Any
 
 from redis import Redis
@@ -33,9 +31,10 @@ from rq.job import Job as RQJob
 from rq.serializers import JSONSerializer
 
 from optiremat.service.core.config import Settings, redact_url
-from optiremat.service.core.pool import Cancelled, settled
-from optiremat.service.core.redis_store import ClusterStore, queue_name
-from optiremat.service.core.worker import Failed, ProgressReport, run_task
+from optiremat.service.core.models import Progress
+from optiremat.service.core.outcome import Cancelled, Failed, settled
+from optiremat.service.core.redis_store import RedisStore, queue_name
+from optiremat.service.core.tasks import TASKS, run_task
 
 log = logging.getLogger("optiremat.worker")
 HEARTBEATS_MISSED = 3  # a job is abandoned after its worker misses this many heartbeats
@@ -81,19 +80,15 @@ class _Progress:
     """The solver's latest report; the solver calls ``report`` from its own threads."""
 
     def __init__(self) -> None:
-        self.latest: ProgressReport | None = None
+        self.latest: Progress | None = None
 
-    def report(self, report: ProgressReport) -> None:
+    def report(self, report: Progress) -> None:
         self.latest = report  # one reference swap: no lock needed
 
-    def as_dict(self) -> dict[str, Any] | None:
-        latest = self.latest
-        return None if latest is None else asdict(latest)
 
-
-def _watch(store: ClusterStore, key: str, generation: str, cancel: threading.Event,
+def _watch(store: RedisStore, key: str, generation: str, cancel: threading.Event,
            progress: _Progress, done: threading.Event) -> None:
-    written: ProgressReport | None = None
+    written: Progress | None = None
     while not done.wait(_POLL_S):
         try:
             if not cancel.is_set() and store.cancel_requested(key):
@@ -101,31 +96,32 @@ def _watch(store: ClusterStore, key: str, generation: str, cancel: threading.Eve
                 cancel.set()
             latest = progress.latest
             if latest is not None and latest is not written:
-                store.update_live(key, generation, {"progress": json.dumps(asdict(latest)),
+                store.update_live(key, generation, {"progress": latest.model_dump_json(),
                                                     "updated_at": time.time()})
                 written = latest
         except RedisError as exc:  # a Redis blip must not stop the solve
             log.warning("cannot reach Redis while solving %s: %s", key, exc)
 
 
-def run_job(kind: str, key: str, generation: str, payload: dict[str, Any], ttl_s: int) -> str:
-    """The RQ job: run one request and write its outcome. Returns what happened."""
+def run_job(task_doc: dict[str, Any], key: str, generation: str, ttl_s: int) -> str:
+    """The RQ job: run one task and record its outcome. Returns what happened."""
     job = get_current_job()
     assert job is not None, "run_job runs inside an RQ worker"
-    store = ClusterStore(job.connection, ttl_s)
+    store = RedisStore(job.connection, ttl_s)
+    task = TASKS.validate_python(task_doc)
     record = store.get_run(key)
     if record is None or record.generation != generation or record.outcome is not None:
         # A retry of a run that finished after all, or one superseded by a newer run.
         log.info("job %s: nothing to do", key)
         return "skipped"
     if store.cancel_requested(key):
-        store.finish(key, generation, Cancelled(None))
+        store.finish(key, generation, Cancelled())
         return "cancelled"
-    graph_json = store.get_graph(payload["graph_hash"])
+    graph_json = store.get_graph(task.graph_hash)
     if graph_json is None:
-        store.finish(key, generation, Failed(
+        store.finish(key, generation, Failed(message=(
             "the graph expired from Redis before a worker took the job (see "
-            "OPTIREMAT_RESULT_TTL_S); submit the request again"))
+            "OPTIREMAT_RESULT_TTL_S); submit the request again")))
         return "failed"
     store.update_live(key, generation, {"started_at": time.time(), "updated_at": time.time(),
                                         "worker": job.worker_name or "", "progress": ""})
@@ -136,13 +132,13 @@ def run_job(kind: str, key: str, generation: str, payload: dict[str, Any], ttl_s
     watcher.start()
     started = time.monotonic()
     try:
-        result = run_task(kind, {**payload, "graph_json": graph_json}, cancel, progress.report)
+        result = run_task(task, graph_json, cancel, progress.report)
     finally:
         done.set()
         watcher.join()
-    outcome = settled(Cancelled(result) if cancel.is_set() else result)
-    store.finish(key, generation, outcome, progress=progress.as_dict())
+    outcome = settled(Cancelled(partial=result) if cancel.is_set() else result)
+    store.finish(key, generation, outcome, progress=progress.latest)
     name = type(outcome).__name__.lower()
-    log.info("task finished", extra={"job": key, "kind": kind, "outcome": name,
+    log.info("task finished", extra={"job": key, "kind": task.kind, "outcome": name,
                                      "seconds": round(time.monotonic() - started, 3)})
     return name

@@ -1,98 +1,101 @@
-"""SQLite store for jobs and results: the embedded default's only state on disk.
+"""SQLite store for answers and jobs: the embedded default's only state on disk.
 
 Methods are blocking and thread-safe; the async layer calls them through
-``asyncio.to_thread`` so a slow disk never stalls the event loop.
+``asyncio.to_thread`` so a slow disk never stalls the event loop. Outcomes are
+kept in the one codec of ``optiremat.service.core.outcome``.
+
+Tables: ``answers`` (request hash -> answer), ``jobs`` (request hash -> task,
+status, outcome, progress, times) and ``graphs`` (content hash -> canonical graph
+JSON), which holds the graphs of unfinished jobs, to run them again after a
+restart; a graph goes once no unfinished job needs it.
 """
 
 from __future__ import annotations
 
-import json
+import logging
 import sqlite3
 import threading
 import time
-from dataclasses import dataclass
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
 
-from optiremat.service.core.worker import BudgetRange, Infeasible, Solved
+from optiremat.service.core.errors import Unavailable
+from optiremat.service.core.models import JobStatus, Progress
+from optiremat.service.core.outcome import Answer, Outcome, decode, encode, is_answer
+from optiremat.service.core.runs import JobRecord, job_status
+from optiremat.service.core.tasks import SolveTask
 
-StoredResult = Solved | Infeasible | BudgetRange
+log = logging.getLogger("optiremat.service")
 
-_SCHEMA_VERSION = 1
+# 1: the first release's layout and codec; 2: one outcome codec, graphs apart.
+_SCHEMA_VERSION = 2
 _SCHEMA = """
-CREATE TABLE IF NOT EXISTS results (
+CREATE TABLE IF NOT EXISTS answers (
     key TEXT PRIMARY KEY,          -- request hash
-    kind TEXT NOT NULL,            -- solution | infeasible | budget_range
-    body TEXT NOT NULL,
+    outcome TEXT NOT NULL,         -- the outcome codec's JSON
     created_at REAL NOT NULL
 );
 CREATE TABLE IF NOT EXISTS jobs (
-    id TEXT PRIMARY KEY,           -- request hash
+    key TEXT PRIMARY KEY,          -- request hash
+    task TEXT NOT NULL,            -- the SolveTask's JSON
+    graph_hash TEXT NOT NULL,
     status TEXT NOT NULL,
-    spec TEXT NOT NULL,            -- graph_hash, budget_bytes, options
-    graph TEXT NOT NULL,           -- canonical graph JSON, to rerun after a restart
-    solution TEXT,
-    error TEXT,
+    outcome TEXT,                  -- once finished
     progress TEXT,
     created_at REAL NOT NULL,
     updated_at REAL NOT NULL
 );
 CREATE INDEX IF NOT EXISTS jobs_by_status ON jobs (status);
+CREATE TABLE IF NOT EXISTS graphs (
+    hash TEXT PRIMARY KEY,         -- the graph's content hash
+    json TEXT NOT NULL             -- canonical graph JSON
+);
 """
+_UNFINISHED = (JobStatus.QUEUED, JobStatus.RUNNING)
 
 
-@dataclass(frozen=True)
-class JobRecord:
-    id: str
-    status: str
-    spec: dict[str, Any]
-    solution_json: str | None
-    error: dict[str, Any] | None
-    progress: dict[str, Any] | None
-    created_at: float
-    updated_at: float
-
-
-def _encode(result: StoredResult) -> tuple[str, str]:
-    if isinstance(result, Solved):
-        return "solution", result.solution_json
-    if isinstance(result, Infeasible):
-        return "infeasible", json.dumps({"budget_bytes": result.budget_bytes,
-                                         "min_budget_bytes": result.min_budget_bytes})
-    return "budget_range", json.dumps(
-        {"min": result.min_feasible_budget, "max": result.max_useful_budget}
-    )
-
-
-def _decode(kind: str, body: str) -> StoredResult:
-    if kind == "solution":
-        return Solved(body)
-    data = json.loads(body)
-    if kind == "infeasible":
-        return Infeasible(data["budget_bytes"], data["min_budget_bytes"])
-    return BudgetRange(data["min"], data["max"])
-
-
-def _loads(text: str | None) -> Any:
-    return None if text is None else json.loads(text)
-
-
-class Store:
+class SqliteStore:
     def __init__(self, path: Path) -> None:
         path.parent.mkdir(parents=True, exist_ok=True)
+        self.path = path
         self._lock = threading.Lock()
         self._db = sqlite3.connect(path, check_same_thread=False, isolation_level=None)
         with self._lock:
             self._db.execute("PRAGMA journal_mode=WAL")
             self._db.execute("PRAGMA synchronous=NORMAL")
             version = self._db.execute("PRAGMA user_version").fetchone()[0]
-            if version not in (0, _SCHEMA_VERSION):
+            if version > _SCHEMA_VERSION:
                 raise RuntimeError(
                     f"{path} has store schema {version}; this build reads {_SCHEMA_VERSION}. "
                     "Point OPTIREMAT_DATA_DIR elsewhere or delete the file."
                 )
+            if 0 < version < _SCHEMA_VERSION:
+                # Answers and jobs are a cache of what the solver computes: start afresh.
+                log.warning("%s has store schema %d; starting it afresh as schema %d",
+                            path, version, _SCHEMA_VERSION)
+                self._db.executescript("DROP TABLE IF EXISTS results; DROP TABLE IF EXISTS jobs;")
             self._db.executescript(_SCHEMA)
             self._db.execute(f"PRAGMA user_version={_SCHEMA_VERSION}")
+
+    @contextmanager
+    def _transaction(self) -> Iterator[sqlite3.Connection]:
+        """One all-or-nothing write: a failure leaves the store as it was."""
+        with self._lock:
+            self._db.execute("BEGIN IMMEDIATE")
+            try:
+                yield self._db
+            except BaseException:
+                if self._db.in_transaction:
+                    self._db.execute("ROLLBACK")
+                raise
+            self._db.execute("COMMIT")
+
+    def unavailable(self, exc: Exception) -> Unavailable | None:
+        if not isinstance(exc, sqlite3.OperationalError):
+            return None
+        return Unavailable("Store unavailable",
+                           f"the result store ({self.path}) failed: {exc}; retry shortly")
 
     def close(self) -> None:
         with self._lock:
@@ -102,62 +105,74 @@ class Store:
         with self._lock:
             self._db.execute("SELECT 1").fetchone()
 
-    # ---- results ------------------------------------------------------------
+    # ---- answers ------------------------------------------------------------
 
-    def get_result(self, key: str) -> StoredResult | None:
+    def get_answer(self, key: str) -> Answer | None:
         with self._lock:
-            row = self._db.execute("SELECT kind, body FROM results WHERE key = ?",
+            row = self._db.execute("SELECT outcome FROM answers WHERE key = ?",
                                    (key,)).fetchone()
-        return None if row is None else _decode(*row)
-
-    def put_result(self, key: str, result: StoredResult) -> None:
-        kind, body = _encode(result)
-        with self._lock:
-            self._db.execute(
-                "INSERT OR IGNORE INTO results (key, kind, body, created_at) VALUES (?, ?, ?, ?)",
-                (key, kind, body, time.time()),
-            )
+        if row is None:
+            return None
+        answer = decode(row[0])
+        assert is_answer(answer)
+        return answer
 
     # ---- jobs ---------------------------------------------------------------
 
-    def get_job(self, job_id: str) -> JobRecord | None:
+    def get_job(self, key: str) -> JobRecord | None:
         with self._lock:
             row = self._db.execute(
-                "SELECT id, status, spec, solution, error, progress, created_at, updated_at "
-                "FROM jobs WHERE id = ?", (job_id,),
+                "SELECT task, outcome, progress, created_at, updated_at FROM jobs WHERE key = ?",
+                (key,),
             ).fetchone()
         if row is None:
             return None
-        return JobRecord(row[0], row[1], json.loads(row[2]), row[3], _loads(row[4]),
-                         _loads(row[5]), row[6], row[7])
+        task, outcome, progress, created_at, updated_at = row
+        return JobRecord(key, SolveTask.model_validate_json(task), created_at, updated_at,
+                         None if outcome is None else decode(outcome),
+                         None if progress is None else Progress.model_validate_json(progress))
 
-    def put_job(self, job_id: str, status: str, spec: dict[str, Any], graph_json: str) -> None:
-        """Create the job, or restart a finished one under the same id."""
+    def put_job(self, key: str, task: SolveTask, graph_json: str) -> None:
+        """Create the job, or restart a finished one under the same key, with its graph."""
         now = time.time()
-        with self._lock:
-            self._db.execute(
-                "INSERT INTO jobs (id, status, spec, graph, created_at, updated_at) "
-                "VALUES (?, ?, ?, ?, ?, ?) ON CONFLICT (id) DO UPDATE SET status = excluded.status,"
-                " solution = NULL, error = NULL, progress = NULL, updated_at = excluded.updated_at",
-                (job_id, status, json.dumps(spec), graph_json, now, now),
+        with self._transaction() as db:
+            db.execute("INSERT OR IGNORE INTO graphs (hash, json) VALUES (?, ?)",
+                       (task.graph_hash, graph_json))
+            db.execute(
+                "INSERT INTO jobs (key, task, graph_hash, status, created_at, updated_at) "
+                "VALUES (?, ?, ?, ?, ?, ?) ON CONFLICT (key) DO UPDATE SET "
+                "status = excluded.status, outcome = NULL, progress = NULL, "
+                "updated_at = excluded.updated_at",
+                (key, task.model_dump_json(), task.graph_hash, JobStatus.QUEUED, now, now),
             )
 
-    def update_job(self, job_id: str, status: str, *, solution_json: str | None = None,
-                   error: dict[str, Any] | None = None,
-                   progress: dict[str, Any] | None = None) -> None:
-        with self._lock:
-            self._db.execute(
-                "UPDATE jobs SET status = ?, solution = ?, error = ?, "
-                "progress = COALESCE(?, progress), updated_at = ? WHERE id = ?",
-                (status, solution_json, None if error is None else json.dumps(error),
-                 None if progress is None else json.dumps(progress), time.time(), job_id),
+    def record(self, key: str, outcome: Outcome, progress: Progress | None = None) -> None:
+        """How a run ended: its answer (the first one stays: answers never change) and,
+        if it is a job, the job's outcome; the job's graph goes when no other
+        unfinished job needs it."""
+        now = time.time()
+        with self._transaction() as db:
+            if is_answer(outcome):
+                db.execute("INSERT OR IGNORE INTO answers (key, outcome, created_at) "
+                           "VALUES (?, ?, ?)", (key, encode(outcome), now))
+            db.execute(
+                "UPDATE jobs SET status = ?, outcome = ?, progress = COALESCE(?, progress), "
+                "updated_at = ? WHERE key = ?",
+                (job_status(outcome), encode(outcome),
+                 None if progress is None else progress.model_dump_json(), now, key),
+            )
+            db.execute(
+                "DELETE FROM graphs WHERE hash IN (SELECT graph_hash FROM jobs WHERE key = ?) "
+                "AND NOT EXISTS (SELECT 1 FROM jobs WHERE graph_hash = graphs.hash "
+                "AND status IN (?, ?))", (key, *_UNFINISHED),
             )
 
-    def unfinished_jobs(self) -> list[tuple[str, dict[str, Any], str]]:
-        """(id, spec, graph JSON) of jobs a previous server left queued or running."""
+    def unfinished_jobs(self) -> list[tuple[str, SolveTask, str]]:
+        """(key, task, graph JSON) of the jobs a previous server left queued or running."""
         with self._lock:
             rows = self._db.execute(
-                "SELECT id, spec, graph FROM jobs WHERE status IN ('queued', 'running') "
-                "ORDER BY created_at"
+                "SELECT jobs.key, jobs.task, graphs.json FROM jobs "
+                "JOIN graphs ON graphs.hash = jobs.graph_hash "
+                "WHERE jobs.status IN (?, ?) ORDER BY jobs.created_at", _UNFINISHED,
             ).fetchall()
-        return [(r[0], json.loads(r[1]), r[2]) for r in rows]
+        return [(key, SolveTask.model_validate_json(task), graph) for key, task, graph in rows]

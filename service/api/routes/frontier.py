@@ -5,7 +5,7 @@ from __future__ import annotations
 from fastapi import APIRouter, Depends, Request
 
 from optiremat.service.api.deps import (
-    ExecutorDep,
+    FrontDep,
     SettingsDep,
     cap_time_limit,
     check_graph_size,
@@ -13,10 +13,9 @@ from optiremat.service.api.deps import (
     request_body,
     require_api_key,
 )
-from optiremat.service.api.models import Frontier, FrontierRequest
-from optiremat.service.api.problems import problem_responses
-from optiremat.service.api.routes.solve import raise_for_outcome
-from optiremat.service.core.front import frontier as sweep
+from optiremat.service.api.models import FrontierRequest
+from optiremat.service.api.problems import problem_responses, raise_for_outcome
+from optiremat.service.core.models import Frontier
 
 router = APIRouter(prefix="/v1", tags=["frontier"], dependencies=[Depends(require_api_key)])
 
@@ -28,7 +27,7 @@ router = APIRouter(prefix="/v1", tags=["frontier"], dependencies=[Depends(requir
     summary="Sweep budgets and return the trade-off curve",
     openapi_extra=request_body(FrontierRequest),
 )
-async def frontier(request: Request, settings: SettingsDep, executor: ExecutorDep) -> Frontier:
+async def frontier(request: Request, settings: SettingsDep, front: FrontDep) -> Frontier:
     """Solve once per budget (each cached like ``/v1/solve``, with the same time-limit
     cap). With ``count``, budgets are spaced evenly from the smallest feasible budget to
     the largest useful one. Infeasible budgets come back as points with status
@@ -36,7 +35,7 @@ async def frontier(request: Request, settings: SettingsDep, executor: ExecutorDe
     body = await parse_body(FrontierRequest, await request.body())
     check_graph_size(body.graph, settings)
     options = cap_time_limit(body.options, settings.sync_time_limit_s)
-    result = await sweep(executor, body.graph, body.budgets, body.count, options)
+    result = await front.frontier(body.graph, body.budgets, body.count, options)
     if not isinstance(result, Frontier):
         raise_for_outcome(result)
         raise AssertionError(f"unexpected outcome {result!r}")

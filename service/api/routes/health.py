@@ -5,9 +5,10 @@ from __future__ import annotations
 from fastapi import APIRouter, Request
 from starlette.responses import Response
 
-from optiremat.service.api.deps import ExecutorDep
-from optiremat.service.api.models import Health, Readiness
+from optiremat.service.api.deps import FrontDep
+from optiremat.service.api.models import Health
 from optiremat.service.api.problems import problem_responses
+from optiremat.service.core.models import Readiness
 
 router = APIRouter(tags=["health"])
 
@@ -23,10 +24,10 @@ async def healthz() -> Health:
     responses=problem_responses(503),
     summary="Ready to take requests",
 )
-async def readyz(executor: ExecutorDep) -> Readiness:
+async def readyz(front: FrontDep) -> Readiness:
     """Embedded: the store answers and every worker process has started. Cluster: Redis
     answers (workers are counted, not required: jobs wait in the queue for them)."""
-    return await executor.readiness()
+    return await front.readiness()
 
 
 @router.get(

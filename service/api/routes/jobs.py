@@ -6,7 +6,7 @@ from fastapi import APIRouter, Depends, Request
 from starlette.responses import Response
 
 from optiremat.service.api.deps import (
-    ExecutorDep,
+    FrontDep,
     SettingsDep,
     cap_time_limit,
     check_graph_size,
@@ -14,11 +14,11 @@ from optiremat.service.api.deps import (
     request_body,
     require_api_key,
 )
-from optiremat.service.api.models import Job, JobStatus, SolveRequest
+from optiremat.service.api.models import SolveRequest
 from optiremat.service.api.problems import ProblemError, problem_responses
+from optiremat.service.core.models import Job, JobStatus
 
 router = APIRouter(prefix="/v1/jobs", tags=["jobs"], dependencies=[Depends(require_api_key)])
-
 
 
 def _not_found(job_id: str) -> ProblemError:
@@ -39,13 +39,13 @@ def _not_found(job_id: str) -> ProblemError:
     openapi_extra=request_body(SolveRequest),
 )
 async def submit_job(request: Request, response: Response, settings: SettingsDep,
-                     executor: ExecutorDep) -> Job:
+                     front: FrontDep) -> Job:
     """Queue the solve; ``Location`` names the job. Submitting the same request again
     returns the same job (a failed or cancelled one is started again)."""
     body = await parse_body(SolveRequest, await request.body())
     check_graph_size(body.graph, settings)
     options = cap_time_limit(body.options, settings.job_time_limit_s)
-    job = await executor.submit_job(body.graph, body.budget_bytes, options)
+    job = await front.submit_job(body.graph, body.budget_bytes, options)
     response.headers["Location"] = f"/v1/jobs/{job.id}"
     if job.status == JobStatus.SUCCEEDED:
         response.status_code = 200
@@ -58,8 +58,8 @@ async def submit_job(request: Request, response: Response, settings: SettingsDep
     responses=problem_responses(401, 404, 500),
     summary="A job's status, progress, and solution or error",
 )
-async def get_job(job_id: str, executor: ExecutorDep) -> Job:
-    job = await executor.get_job(job_id)
+async def get_job(job_id: str, front: FrontDep) -> Job:
+    job = await front.get_job(job_id)
     if job is None:
         raise _not_found(job_id)
     return job
@@ -71,10 +71,10 @@ async def get_job(job_id: str, executor: ExecutorDep) -> Job:
     responses=problem_responses(401, 404, 500),
     summary="Cancel a job",
 )
-async def cancel_job(job_id: str, executor: ExecutorDep) -> Job:
+async def cancel_job(job_id: str, front: FrontDep) -> Job:
     """A queued job is dropped; a running solve stops and the job keeps the best plan
     found so far as its solution. A finished job is returned unchanged."""
-    job = await executor.cancel_job(job_id)
+    job = await front.cancel_job(job_id)
     if job is None:
         raise _not_found(job_id)
     return job

@@ -8,7 +8,7 @@ from fastapi import APIRouter, Depends, Request
 from starlette.responses import Response
 
 from optiremat.service.api.deps import (
-    ExecutorDep,
+    FrontDep,
     SettingsDep,
     cap_time_limit,
     check_graph_size,
@@ -17,35 +17,11 @@ from optiremat.service.api.deps import (
     require_api_key,
 )
 from optiremat.service.api.models import SolveRequest
-from optiremat.service.api.problems import (
-    SOLVE_CANCELLED,
-    SOLVE_FAILED,
-    ProblemError,
-    problem_responses,
-)
-from optiremat.service.core.front import infeasible_problem
-from optiremat.service.core.pool import Cancelled, Interrupted, Outcome
-from optiremat.service.core.worker import Failed, Infeasible, Solved
+from optiremat.service.api.problems import problem_responses, raise_for_outcome
+from optiremat.service.core.outcome import Solved
 from optiremat.solver.solution import Solution
 
 router = APIRouter(prefix="/v1", tags=["solve"], dependencies=[Depends(require_api_key)])
-
-
-def raise_for_outcome(outcome: Outcome) -> None:
-    """Turn anything but a solution into the problem the client should see."""
-    if isinstance(outcome, Infeasible):
-        body = infeasible_problem(outcome.budget_bytes, outcome.min_budget_bytes)
-        raise ProblemError(422, body["title"], body["detail"], type=body["type"],
-                           min_budget_bytes=outcome.min_budget_bytes)
-    if isinstance(outcome, Cancelled):
-        raise ProblemError(409, "Solve cancelled",
-                           "an identical job was cancelled (DELETE /v1/jobs/{id}) while this "
-                           "request waited for it; send the request again", type=SOLVE_CANCELLED)
-    if isinstance(outcome, Interrupted):
-        raise ProblemError(503, "Shutting down", "the server is shutting down; retry shortly",
-                           headers={"Retry-After": "5"})
-    if isinstance(outcome, Failed):
-        raise ProblemError(500, "Solve failed", outcome.message, type=SOLVE_FAILED)
 
 
 @router.post(
@@ -55,7 +31,7 @@ def raise_for_outcome(outcome: Outcome) -> None:
     summary="Solve one graph for one budget, synchronously",
     openapi_extra=request_body(SolveRequest),
 )
-async def solve(request: Request, settings: SettingsDep, executor: ExecutorDep) -> Response:
+async def solve(request: Request, settings: SettingsDep, front: FrontDep) -> Response:
     """The plan minimising recompute FLOPs within ``budget_bytes``.
 
     ``options.time_limit_s`` is capped at the server's ``OPTIREMAT_SYNC_TIME_LIMIT_S``;
@@ -66,13 +42,13 @@ async def solve(request: Request, settings: SettingsDep, executor: ExecutorDep) 
     # A body seen before (byte for byte) maps to its request hash: answer from the
     # store without parsing and validating the graph again.
     body_digest = hashlib.sha256(raw).digest()
-    outcome = await executor.stored_answer(body_digest)
+    outcome = await front.stored_answer(body_digest)
     if outcome is None:
         body = await parse_body(SolveRequest, raw)
         check_graph_size(body.graph, settings)
         options = cap_time_limit(body.options, settings.sync_time_limit_s)
-        outcome = await executor.solve(body.graph, body.budget_bytes, options,
-                                      body_digest=body_digest)
+        outcome = await front.solve(body.graph, body.budget_bytes, options,
+                                    body_digest=body_digest)
     raise_for_outcome(outcome)
     assert isinstance(outcome, Solved)
     # The stored bytes, as they are: every client gets the identical answer.

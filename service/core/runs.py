@@ -1,0 +1,89 @@
+"""What the front needs from the two ways of running solves.
+
+An ``Executor`` runs tasks and records how each run ends; its ``store`` keeps the
+answers and the jobs. The embedded one (``pool_executor.PoolExecutor``) runs them
+in worker processes and records them in SQLite; the cluster one
+(``rq_executor.RQExecutor``) queues them on Redis, where RQ workers run them and
+record them themselves. Whoever runs a solve records its outcome; the front
+(``front.Front``) only reads.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+from optiremat.service.core.errors import Unavailable
+from optiremat.service.core.models import JobStatus, Progress, Readiness
+from optiremat.service.core.outcome import Answer, Outcome
+from optiremat.service.core.tasks import SolveTask, Task
+from optiremat.solver.graph import CostGraph
+
+
+@dataclass(frozen=True)
+class JobRecord:
+    """A job as its store keeps it; ``outcome`` is None until it has finished."""
+
+    key: str
+    task: SolveTask
+    created_at: float
+    updated_at: float
+    outcome: Outcome | None
+    progress: Progress | None
+
+
+def job_status(outcome: Outcome) -> JobStatus:
+    """The status of a job that ended so."""
+    if outcome.type == "solved":
+        return JobStatus.SUCCEEDED
+    if outcome.type == "cancelled":
+        return JobStatus.CANCELLED
+    return JobStatus.FAILED
+
+
+@dataclass(frozen=True)
+class Live:
+    """Where an unfinished run stands: ``outcome`` once it has finished (or has been
+    found dead), else whether a worker is on it and its latest progress."""
+
+    outcome: Outcome | None
+    running: bool = False
+    progress: Progress | None = None
+
+
+class Store(Protocol):
+    """The reads the front makes. Blocking: the front calls them in a thread."""
+
+    def ping(self) -> None: ...
+
+    def get_answer(self, key: str) -> Answer | None: ...
+
+    def get_job(self, key: str) -> JobRecord | None: ...
+
+    def unavailable(self, exc: Exception) -> Unavailable | None:
+        """``exc`` as a 503 when it means the store is down or full, else None."""
+
+
+class Executor(Protocol):
+    @property
+    def store(self) -> Store: ...
+
+    async def start(self) -> None: ...
+
+    async def stop(self) -> None:
+        """Release this process's resources; unfinished runs are left to resume."""
+
+    async def readiness(self) -> Readiness:
+        """Raises ``Unavailable`` when not ready."""
+
+    async def ensure(self, task: Task, graph: CostGraph, *, job: bool) -> bool:
+        """Start the task's run unless one is under way or has answered; with ``job``
+        the run is (also) a job. True when it joined a run under way."""
+
+    async def wait(self, key: str, timeout_s: float | None = None) -> Outcome | None:
+        """How the run ends, once recorded; None if ``timeout_s`` passes first."""
+
+    async def live(self, key: str) -> Live: ...
+
+    async def cancel(self, key: str) -> None:
+        """Drop the run if queued, or ask its solver to stop and keep its best plan."""

@@ -1,0 +1,163 @@
+"""The run layer's contracts: one outcome codec for both stores, stable request hashes,
+and a module graph without cycles in which the two executors never meet."""
+
+from __future__ import annotations
+
+import ast
+import sqlite3
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from optiremat.service.core import tasks
+from optiremat.service.core.outcome import (
+    BudgetRange,
+    Cancelled,
+    Failed,
+    Infeasible,
+    Interrupted,
+    Outcome,
+    Solved,
+    decode,
+    encode,
+    reusable,
+    settled,
+)
+from optiremat.service.core.redis_store import RedisStore
+from optiremat.service.core.store import SqliteStore
+from optiremat.service.core.tasks import BudgetRangeTask, SolveTask
+from optiremat.solver.solution import SolveOptions
+from tests.cluster_harness import RedisServer
+from tests.service_harness import REPO
+
+OUTCOMES: list[Outcome] = [
+    Solved(solution_json='{"status": "optimal", "b": [1, 2]}'),
+    Infeasible(budget_bytes=10, min_budget_bytes=4096),
+    BudgetRange(min_feasible_budget=4096, max_useful_budget=65536),
+    Failed(message="the worker died"),
+    Cancelled(),
+    Cancelled(partial=Solved(solution_json='{"status": "feasible"}')),
+    Interrupted(),
+]
+
+
+@pytest.mark.parametrize("outcome", OUTCOMES, ids=lambda o: type(o).__name__)
+def test_outcomes_survive_the_codec_unchanged(outcome: Outcome) -> None:
+    assert decode(encode(outcome).encode()) == outcome
+    assert encode(outcome).startswith(f'{{"type":"{outcome.type}"')  # tagged by its type
+
+
+@pytest.fixture(scope="module")
+def redis_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisServer]:
+    server = RedisServer(tmp_path_factory.mktemp("redis")).start()
+    yield server
+    server.stop()
+
+
+def test_both_stores_keep_an_answer_as_the_same_text(tmp_path: Path,
+                                                     redis_server: RedisServer) -> None:
+    answer = Infeasible(budget_bytes=10, min_budget_bytes=4096)
+    sqlite = SqliteStore(tmp_path / "db.sqlite3")
+    sqlite.record("k", answer)
+    sqlite.close()
+    with sqlite3.connect(tmp_path / "db.sqlite3") as db:
+        (in_sqlite,) = db.execute("SELECT outcome FROM answers WHERE key = 'k'").fetchone()
+
+    redis = RedisStore(redis_server.client(), ttl_s=60)
+    redis.redis.hset(redis.run_key("k"), "generation", "g1")
+    assert redis.finish("k", "g1", answer)
+    in_redis = redis.redis.get(redis.answer_key("k"))
+    assert in_sqlite == in_redis.decode() == encode(answer)
+    assert redis.get_answer("k") == answer == decode(in_sqlite)
+
+
+def test_the_request_hash_is_the_one_of_the_first_release(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    # Pinned values: a request keeps its job id and cached answer across this layout.
+    monkeypatch.setattr(tasks, "solver_version", lambda: "optiremat-0.1.0+ortools-9.0")
+    graph_hash = "ab" * 32
+    assert SolveTask(graph_hash=graph_hash, budget_bytes=4096, options=SolveOptions()).key == (
+        "84ff627e5e0d3b76514f22d3cd5ba75d9b36deaa2753734fcfcb564d4f918c66")
+    options = SolveOptions(tie=False, time_limit_s=5, compare_baselines=True)
+    assert SolveTask(graph_hash=graph_hash, budget_bytes=4096, options=options).key == (
+        "0c0b2fc60a4430cbe13d3ff5d743f0a474a65bdaa402fa5b4394d9bc2b4151b5")
+    assert BudgetRangeTask(graph_hash=graph_hash, tie=True).key == (
+        "da62ef8e58febe0c11457e03fbc0f76517fd0038f3b0279fff156af927178718")
+
+
+def test_only_runs_that_answered_are_joined_rather_than_restarted() -> None:
+    assert reusable(None)  # still going
+    assert [reusable(o) for o in OUTCOMES] == [True, False, True, False, False, False, False]
+
+
+def test_a_cancel_that_lands_after_optimality_is_proven_changes_nothing() -> None:
+    proven = Solved(solution_json='{"status": "optimal"}')
+    assert settled(Cancelled(partial=proven)) == proven
+    unproven = Cancelled(partial=Solved(solution_json='{"status": "feasible"}'))
+    assert settled(unproven) == unproven
+
+
+# ---- the module graph ---------------------------------------------------------------
+
+SERVICE = REPO / "service"
+POOL_SIDE = {"pool", "pool_worker", "pool_executor", "store"}
+RQ_SIDE = {"rq_executor", "rq_worker", "redis_store"}
+
+
+def _module(path: Path) -> str:
+    parts = path.relative_to(SERVICE).with_suffix("").parts
+    return ".".join(("optiremat.service", *parts)).removesuffix(".__init__")
+
+
+def _imports(path: Path) -> set[str]:
+    """Every optiremat.service module ``path`` imports, at any depth, except under
+    ``if TYPE_CHECKING:``."""
+    tree = ast.parse(path.read_text())
+    skipped = {id(node) for guard in ast.walk(tree) if isinstance(guard, ast.If)
+               and ast.unparse(guard.test) == "TYPE_CHECKING"
+               for stmt in guard.body for node in ast.walk(stmt)}
+    found = set()
+    for node in ast.walk(tree):
+        if id(node) in skipped:
+            continue
+        if isinstance(node, ast.ImportFrom) and node.module:
+            found |= {node.module} | {f"{node.module}.{alias.name}" for alias in node.names}
+        elif isinstance(node, ast.Import):
+            found |= {alias.name for alias in node.names}
+    return {name for name in found if name.startswith("optiremat.service")}
+
+
+def _graph() -> dict[str, set[str]]:
+    modules = {_module(path): path for path in SERVICE.rglob("*.py")}
+    return {name: _imports(path) & set(modules) - {name} for name, path in modules.items()}
+
+
+def test_the_service_modules_import_each_other_without_a_cycle() -> None:
+    graph = _graph()
+    state: dict[str, str] = {}
+
+    def visit(module: str, trail: list[str]) -> None:
+        state[module] = "open"
+        for target in sorted(graph[module]):
+            if state.get(target) == "open":
+                pytest.fail("import cycle: " + " -> ".join([*trail, module, target]))
+            if target not in state:
+                visit(target, [*trail, module])
+        state[module] = "done"
+
+    for module in sorted(graph):
+        if module not in state:
+            visit(module, [])
+
+
+def test_the_run_layer_knows_nothing_of_http_and_the_executors_never_meet() -> None:
+    graph = _graph()
+    for module, targets in graph.items():
+        name = module.rsplit(".", 1)[-1]
+        if module.startswith("optiremat.service.core"):
+            assert not {t for t in targets if t.startswith("optiremat.service.api")}, module
+        if name in POOL_SIDE:
+            assert not {t for t in targets if t.rsplit(".", 1)[-1] in RQ_SIDE}, module
+        if name in RQ_SIDE:
+            assert not {t for t in targets if t.rsplit(".", 1)[-1] in POOL_SIDE}, module
