@@ -98,8 +98,13 @@ def test_deployments_have_probes_resources_and_run_unprivileged() -> None:
     assert api["readinessProbe"]["httpGet"]["path"] == "/readyz"
     assert api["livenessProbe"]["httpGet"]["path"] == "/healthz"
     assert {"configMapRef": {"name": "optiremat"}} in api["envFrom"]
-    assert {"secretRef": {"name": "optiremat-api-keys"}} in api["envFrom"]
-    assert "OPTIREMAT_API_KEYS" in resources("Secret")["optiremat-api-keys"]["stringData"]
+    # the API keys are a mounted file: a Secret update rotates them without a restart
+    key_file = Path({e["name"]: e["value"] for e in api["env"]}["OPTIREMAT_API_KEYS_FILE"])
+    pod_volumes = {v["name"]: v for v in deployments["optiremat-api"]["spec"]["template"]["spec"][
+        "volumes"]}
+    mount = next(m for m in api["volumeMounts"] if Path(m["mountPath"]) == key_file.parent)
+    assert pod_volumes[mount["name"]]["secret"]["secretName"] == "optiremat-api-keys"
+    assert key_file.name in resources("Secret")["optiremat-api-keys"]["stringData"]
     hpa = resources("HorizontalPodAutoscaler")["optiremat-api"]["spec"]
     assert hpa["scaleTargetRef"]["name"] == "optiremat-api" and hpa["minReplicas"] >= 2
     service = resources("Service")["optiremat"]["spec"]

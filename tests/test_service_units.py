@@ -8,11 +8,13 @@ from pathlib import Path
 
 import httpx
 import pytest
+from pydantic import ValidationError
 from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
+from optiremat.service.api.keys import ApiKeys, key_id
 from optiremat.service.api.middleware import BodyDecodingMiddleware
 from optiremat.service.core.config import Settings
 from optiremat.service.core.models import FrontierPoint, Progress
@@ -131,3 +133,41 @@ def test_pareto_marks_the_points_nothing_beats() -> None:
               point(10, 9, 50), point(20, 9, 50), point(30, 25, 60), point(40, 30, 0)]
     mark_pareto(points)
     assert [p.pareto for p in points] == [False, True, True, False, True]
+
+
+def test_api_keys_come_from_the_variable_and_a_file_read_again_when_it_changes(
+        tmp_path: Path) -> None:
+    key_file = tmp_path / "keys"
+    key_file.write_text("# rotated monthly\nfile-key-1\n\n  file-key-2  \n")
+    now = [0.0]
+    keys = ApiKeys(Settings(api_keys=("inline-key",), api_keys_file=key_file),
+                   clock=lambda: now[0])
+    owners = {k: keys.owner(k) for k in ("inline-key", "file-key-1", "file-key-2")}
+    assert None not in owners.values() and len(set(owners.values())) == 3
+    assert owners["file-key-1"] == key_id("file-key-1") != "file-key-1"
+    for wrong in ("file-key", "file-key-1x", "", "# rotated monthly"):
+        assert keys.owner(wrong) is None
+
+    key_file.write_text("file-key-3\n")
+    assert keys.owner("file-key-3") is None  # looked at again at most once a second
+    now[0] += 1.0
+    assert keys.owner("file-key-3") == key_id("file-key-3")
+    assert keys.owner("file-key-1") is None and keys.owner("inline-key") is not None
+    key_file.unlink()
+    now[0] += 1.0
+    assert keys.owner("file-key-3") is not None  # unreadable: the last keys stay
+
+
+def test_a_key_file_turns_authentication_on_even_while_it_is_empty(tmp_path: Path) -> None:
+    (tmp_path / "keys").write_text("")
+    keys = ApiKeys(Settings(api_keys_file=tmp_path / "keys"))
+    assert keys.enabled and keys.owner("anything") is None
+    assert not ApiKeys(Settings()).enabled
+
+
+def test_metrics_behind_a_key_needs_keys(tmp_path: Path) -> None:
+    with pytest.raises(ValidationError, match="OPTIREMAT_METRICS_REQUIRE_KEY needs API keys"):
+        Settings(metrics_require_key=True)
+    with pytest.raises(ValidationError, match="api_keys_file"):
+        Settings(api_keys_file=tmp_path / "missing")
+    assert Settings(metrics_require_key=True, api_keys=("k",)).metrics_require_key

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import hmac
 from typing import Annotated, Any, TypeVar
 
 from fastapi import Depends, Request
@@ -11,6 +10,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from pydantic import BaseModel, ValidationError
 
+from optiremat.service.api.keys import ApiKeys
 from optiremat.service.api.problems import ProblemError
 from optiremat.service.core.config import Settings
 from optiremat.service.core.front import Front
@@ -44,8 +44,11 @@ async def require_api_key(
     request: Request,
     credentials: Annotated[HTTPAuthorizationCredentials | None, Depends(_bearer)],
 ) -> None:
-    keys = get_settings(request).api_keys
-    if not keys:
+    """With keys configured, a valid bearer key; its ``key_id`` becomes
+    ``request.state.owner`` (None with authentication off)."""
+    keys: ApiKeys = request.app.state.api_keys
+    request.state.owner = None
+    if not keys.enabled:
         return
     if credentials is None:
         raise ProblemError(
@@ -53,13 +56,21 @@ async def require_api_key(
             "this server requires an API key: send the header 'Authorization: Bearer <key>'",
             headers={"WWW-Authenticate": "Bearer"},
         )
-    offered = credentials.credentials.encode()
-    # compare_digest against every key: the time taken does not reveal which prefix matched
-    if not any([hmac.compare_digest(offered, key.encode()) for key in keys]):
+    request.state.owner = keys.owner(credentials.credentials)
+    if request.state.owner is None:
         raise ProblemError(
             401, "Unauthorized", "the API key is not valid for this server",
             headers={"WWW-Authenticate": 'Bearer error="invalid_token"'},
         )
+
+
+async def require_metrics_key(
+    request: Request,
+    credentials: Annotated[HTTPAuthorizationCredentials | None, Depends(_bearer)],
+) -> None:
+    """An API key for /metrics when ``OPTIREMAT_METRICS_REQUIRE_KEY`` is set."""
+    if get_settings(request).metrics_require_key:
+        await require_api_key(request, credentials)
 
 
 def check_graph_size(graph: CostGraph, settings: Settings) -> None:

@@ -8,6 +8,7 @@ from contextlib import asynccontextmanager
 
 from fastapi import FastAPI
 
+from optiremat.service.api.keys import ApiKeys
 from optiremat.service.api.middleware import BodyDecodingMiddleware, RequestContextMiddleware
 from optiremat.service.api.openapi import install_openapi
 from optiremat.service.api.problems import install_problem_handlers
@@ -31,7 +32,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         await front.start()
         where = ({"redis": redact_url(settings.redis_url)} if settings.redis_url
                  else {"data_dir": str(settings.data_dir), "workers": settings.workers})
-        log.info("serving", extra={**where, "auth": bool(settings.api_keys)})
+        log.info("serving", extra={**where, "auth": settings.auth})
         try:
             yield
         finally:
@@ -46,6 +47,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     )
     app.state.settings = settings
     app.state.metrics = metrics
+    app.state.api_keys = ApiKeys(settings)
     install_problem_handlers(app)
     # Added last runs first: the request id exists before the body is read.
     app.add_middleware(BodyDecodingMiddleware, max_body_bytes=settings.max_body_bytes)

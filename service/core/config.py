@@ -8,7 +8,7 @@ from typing import Annotated
 from urllib.parse import urlsplit, urlunsplit
 
 from platformdirs import user_cache_path
-from pydantic import Field, field_validator
+from pydantic import Field, FilePath, field_validator, model_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 
@@ -25,8 +25,13 @@ class Settings(BaseSettings):
     host: str = "127.0.0.1"
     port: int = Field(default=8000, ge=0, le=65535)
     data_dir: Path = Field(default_factory=lambda: user_cache_path("optiremat"))
-    # Comma-separated bearer tokens; empty turns authentication off.
+    # Comma-separated bearer tokens; empty (and no key file) turns authentication off.
     api_keys: Annotated[tuple[str, ...], NoDecode] = ()
+    # A file of bearer tokens, one a line (what a Kubernetes Secret mounts); re-read when
+    # it changes. Setting it turns authentication on, even while the file is empty.
+    api_keys_file: FilePath | None = None
+    # /metrics answers only with an API key (Prometheus sends it as a bearer token).
+    metrics_require_key: bool = False
     # Cap on the request body after gzip decoding (and on the raw body).
     max_body_bytes: int = Field(default=64 * 1024 * 1024, gt=0)
     max_graph_nodes: int = Field(default=200_000, gt=0)
@@ -54,6 +59,18 @@ class Settings(BaseSettings):
         if isinstance(value, str):
             return tuple(k.strip() for k in value.split(",") if k.strip())
         return value
+
+    @model_validator(mode="after")
+    def _metrics_key_needs_keys(self) -> Settings:
+        if self.metrics_require_key and not self.auth:
+            raise ValueError("OPTIREMAT_METRICS_REQUIRE_KEY needs API keys: set "
+                             "OPTIREMAT_API_KEYS or OPTIREMAT_API_KEYS_FILE")
+        return self
+
+    @property
+    def auth(self) -> bool:
+        """Whether the /v1 routes need an API key."""
+        return bool(self.api_keys) or self.api_keys_file is not None
 
     @property
     def database_path(self) -> Path:

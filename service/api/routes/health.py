@@ -1,11 +1,12 @@
-"""Liveness, readiness and Prometheus metrics (never behind the API key)."""
+"""Liveness, readiness and Prometheus metrics: never behind the API key, but /metrics
+when ``OPTIREMAT_METRICS_REQUIRE_KEY`` is set."""
 
 from __future__ import annotations
 
-from fastapi import APIRouter, Request
+from fastapi import APIRouter, Depends, Request
 from starlette.responses import Response
 
-from optiremat.service.api.deps import FrontDep
+from optiremat.service.api.deps import FrontDep, require_metrics_key
 from optiremat.service.api.models import Health
 from optiremat.service.api.problems import problem_responses
 from optiremat.service.core.models import Readiness
@@ -34,8 +35,10 @@ async def readyz(front: FrontDep) -> Readiness:
     "/metrics",
     response_class=Response,
     responses={200: {"content": {"text/plain": {"schema": {"type": "string"}}},
-                     "description": "Prometheus text exposition format"}},
+                     "description": "Prometheus text exposition format"},
+               **problem_responses(401)},
     summary="Prometheus metrics",
+    dependencies=[Depends(require_metrics_key)],
 )
 async def metrics(request: Request) -> Response:
     registry = request.app.state.metrics
