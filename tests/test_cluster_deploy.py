@@ -76,6 +76,22 @@ def test_the_wheel_holds_one_package_with_every_module(tmp_path: Path) -> None:
     assert on_disk <= set(names), sorted(on_disk - set(names))
 
 
+def redis_bound(args: list[str]) -> tuple[int, str]:
+    """(maxmemory in bytes, maxmemory-policy) from redis-server's arguments."""
+    memory = args[args.index("--maxmemory") + 1]
+    units = {"gb": 1 << 30, "mb": 1 << 20}
+    return int(memory[:-2]) * units[memory[-2:]], args[args.index("--maxmemory-policy") + 1]
+
+
+def test_redis_is_bounded_and_evicts_only_what_expires() -> None:
+    redis = resources("StatefulSet")["optiremat-redis"]["spec"]["template"]["spec"][
+        "containers"][0]
+    max_bytes, policy = redis_bound(redis["args"])
+    assert policy == "volatile-ttl"  # never the queue, never an unfinished run
+    limit = redis["resources"]["limits"]["memory"]
+    assert limit.endswith("Gi") and int(limit[:-2]) << 30 > max_bytes  # room for the fork
+
+
 def test_workers_outlast_the_longest_solve_on_shutdown() -> None:
     settings = resources("ConfigMap")["optiremat"]["data"]
     longest = float(settings["OPTIREMAT_JOB_TIME_LIMIT_S"]) + JOB_TIMEOUT_MARGIN_S
@@ -118,6 +134,7 @@ def test_compose_runs_redis_with_a_volume_an_api_and_workers() -> None:
     assert "redis-data:/data" in services["redis"]["volumes"] and "redis-data" in compose[
         "volumes"]
     assert "--appendonly" in services["redis"]["command"]
+    assert redis_bound(services["redis"]["command"]) == (1 << 30, "volatile-ttl")
     for name in ("api", "worker"):
         assert services[name]["environment"]["OPTIREMAT_REDIS_URL"] == "redis://redis:6379/0"
     assert services["worker"]["command"] == ["worker"]

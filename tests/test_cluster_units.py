@@ -24,12 +24,14 @@ def test_the_queue_outlasts_the_solver_time_limit() -> None:
 
 def test_cluster_settings_come_from_optiremat_variables(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("OPTIREMAT_REDIS_URL", "redis://:secret@redis:6379/2")
-    monkeypatch.setenv("OPTIREMAT_RESULT_TTL_S", "3600")
+    monkeypatch.setenv("OPTIREMAT_RESULT_TTL_S", "3600")  # the TTL's first name still counts
     monkeypatch.setenv("OPTIREMAT_JOB_RETRIES", "0")
     settings = Settings()
     assert settings.redis_url == "redis://:secret@redis:6379/2"
-    assert (settings.result_ttl_s, settings.job_retries, settings.worker_heartbeat_s) == (
+    assert (settings.store_ttl_s, settings.job_retries, settings.worker_heartbeat_s) == (
         3600, 0, 5)
+    monkeypatch.setenv("OPTIREMAT_STORE_TTL_S", "7200")
+    assert Settings().store_ttl_s == 7200
     assert redact_url(settings.redis_url) == "redis://:***@redis:6379/2"
     monkeypatch.delenv("OPTIREMAT_REDIS_URL")
     assert Settings().redis_url is None  # embedded by default

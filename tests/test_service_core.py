@@ -58,18 +58,19 @@ def redis_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisServ
 def test_both_stores_keep_an_answer_as_the_same_text(tmp_path: Path,
                                                      redis_server: RedisServer) -> None:
     answer = Infeasible(budget_bytes=10, min_budget_bytes=4096)
+    task = SolveTask(graph_hash="g", budget_bytes=10, options=SolveOptions())
     sqlite = SqliteStore(tmp_path / "db.sqlite3")
-    sqlite.record("k", answer)
+    sqlite.record(task.key, answer)
     sqlite.close()
     with sqlite3.connect(tmp_path / "db.sqlite3") as db:
-        (in_sqlite,) = db.execute("SELECT outcome FROM answers WHERE key = 'k'").fetchone()
+        (in_sqlite,) = db.execute("SELECT outcome FROM answers").fetchone()
 
     redis = RedisStore(redis_server.client(), ttl_s=60)
-    redis.redis.hset(redis.run_key("k"), "generation", "g1")
-    assert redis.finish("k", "g1", answer)
-    in_redis = redis.redis.get(redis.answer_key("k"))
+    run, started = redis.ensure_run(task, job=False)
+    assert started and redis.finish(run, answer)
+    in_redis = redis.redis.get(redis.answer_key(task.key))
     assert in_sqlite == in_redis.decode() == encode(answer)
-    assert redis.get_answer("k") == answer == decode(in_sqlite)
+    assert redis.get_answer(task.key) == answer == decode(in_sqlite)
 
 
 def test_the_request_hash_is_the_one_of_the_first_release(
@@ -161,3 +162,59 @@ def test_the_run_layer_knows_nothing_of_http_and_the_executors_never_meet() -> N
             assert not {t for t in targets if t.rsplit(".", 1)[-1] in RQ_SIDE}, module
         if name in RQ_SIDE:
             assert not {t for t in targets if t.rsplit(".", 1)[-1] in POOL_SIDE}, module
+
+
+# ---- Redis' bounds ----------------------------------------------------------------
+
+
+def test_an_unfinished_run_and_its_graph_never_expire_until_it_finishes(
+        redis_server: RedisServer) -> None:
+    store = RedisStore(redis_server.client(), ttl_s=60)
+    store.redis.flushall()
+    tasks = [SolveTask(graph_hash="g1", budget_bytes=b, options=SolveOptions()) for b in (1, 2)]
+    store.put_graph("g1", "{}")
+    runs = [store.ensure_run(task, job=True)[0] for task in tasks]
+    ttl = store.redis.ttl
+    assert ttl(store.graph_key("g1")) == ttl(store.run_key(tasks[0].key)) == -1  # none
+    assert store.has_graph("g1") and ttl(store.graph_key("g1")) == -1  # a use keeps it so
+
+    store.finish(runs[0], Solved(solution_json="{}"))
+    assert 0 < ttl(store.run_key(tasks[0].key)) <= 60
+    assert ttl(store.graph_key("g1")) == -1  # the second run still needs it
+    store.finish(runs[1], Failed(message="no"))
+    assert 0 < ttl(store.graph_key("g1")) <= 60
+
+    store.redis.expire(store.answer_key(tasks[0].key), 5)
+    assert store.get_answer(tasks[0].key) is not None  # a read renews the lifetime
+    assert ttl(store.answer_key(tasks[0].key)) > 5
+
+
+def test_past_maxmemory_redis_evicts_answers_but_no_unfinished_run(
+        redis_server: RedisServer) -> None:
+    store = RedisStore(redis_server.client(), ttl_s=3600)
+    store.redis.flushall()
+    queued = SolveTask(graph_hash="big", budget_bytes=1, options=SolveOptions())
+    store.put_graph("big", "x" * 200_000)
+    store.ensure_run(queued, job=True)
+    used = store.usage().used_bytes
+    # docker/: a bound, and volatile-ttl to evict what expires soonest
+    store.redis.config_set("maxmemory", used + 1_000_000)
+    store.redis.config_set("maxmemory-policy", "volatile-ttl")
+    try:
+        for i in range(100):  # 4 MB of answers into 1 MB
+            task = SolveTask(graph_hash="g", budget_bytes=i, options=SolveOptions())
+            store.redis.hset(store.run_key(task.key), mapping={
+                "task": task.model_dump_json(), "generation": "g", "created_at": 0,
+                "updated_at": 0})
+            run = store.get_run(task.key)
+            assert run is not None and store.finish(run, plan(i, 40_000))
+        usage = store.usage()
+        assert usage.evicted_keys > 0 and usage.used_bytes <= usage.max_bytes
+        assert store.get_run(queued.key) is not None and store.get_graph("big") is not None
+        assert store.queue.count == 1
+    finally:
+        store.redis.config_set("maxmemory", 0)
+
+
+def plan(i: int, size: int) -> Solved:
+    return Solved(solution_json=f'{{"i": {i}, "pad": "{"x" * size}"}}')

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import asyncio
 import gzip
+import time
 from pathlib import Path
+from unittest import mock
 
 import httpx
 import pytest
@@ -19,7 +21,7 @@ from optiremat.service.api.middleware import BodyDecodingMiddleware
 from optiremat.service.core.config import Settings
 from optiremat.service.core.models import FrontierPoint, Progress
 from optiremat.service.core.outcome import BudgetRange, Cancelled, Failed, Infeasible, Solved
-from optiremat.service.core.store import SqliteStore
+from optiremat.service.core.store import Evicted, SqliteStore
 from optiremat.service.core.tasks import SolveTask
 from optiremat.solver.frontier import mark_pareto
 from optiremat.solver.solution import SolveOptions, SolveStatus
@@ -171,3 +173,54 @@ def test_metrics_behind_a_key_needs_keys(tmp_path: Path) -> None:
     with pytest.raises(ValidationError, match="api_keys_file"):
         Settings(api_keys_file=tmp_path / "missing")
     assert Settings(metrics_require_key=True, api_keys=("k",)).metrics_require_key
+
+
+def plan(i: int, size: int = 4096) -> Solved:
+    return Solved(solution_json=f'{{"i": {i}, "pad": "{"x" * size}"}}')
+
+
+def test_the_store_stays_within_its_bound_and_evicts_the_least_recently_used(
+        tmp_path: Path) -> None:
+    bound = 512 * 1024
+    evictions: list[Evicted] = []
+    store = SqliteStore(tmp_path / "db.sqlite3", max_bytes=bound, on_evict=evictions.append)
+    # the WAL's cap (a sixteenth of the bound, 16 pages at least), the frames one write
+    # adds past it, and the WAL's 32 KiB index
+    slack = 16 * 4096 + 32 * 1024 + 32 * 1024
+    for i in range(400):  # 1.6 MB of answers into a 512 KiB store
+        store.record(f"k{i}", plan(i))
+        if i % 10 == 0:
+            assert store.get_answer("k0") == plan(0)  # used all along
+        assert store.disk_bytes() <= bound + slack, (i, store.disk_bytes())
+    assert sum(e.evicted for e in evictions) > 200
+    assert store.get_answer("k0") == plan(0)
+    assert store.get_answer("k1") is None  # unused since written: long gone
+    assert store.get_answer("k399") == plan(399)
+
+
+def test_unfinished_and_just_finished_jobs_are_never_evicted(tmp_path: Path) -> None:
+    store = SqliteStore(tmp_path / "db.sqlite3", max_bytes=256 * 1024, job_grace_s=600)
+    task = SolveTask(graph_hash="g", budget_bytes=1, options=SolveOptions())
+    store.put_job("queued", task, "{}")
+    store.put_job("finished", task.model_copy(update={"budget_bytes": 2}), "{}")
+    store.record("finished", plan(-1))
+    for i in range(100):  # twice the bound: both jobs are the least recently used
+        store.record(f"k{i}", plan(i))
+    assert store.get_job("queued") is not None and store.get_job("finished") is not None
+    with mock.patch("time.time", return_value=time.time() + 601):  # past the grace
+        for i in range(100, 200):
+            store.record(f"k{i}", plan(i))
+    assert store.get_job("finished") is None
+    assert store.get_job("queued") is not None
+    assert store.unfinished_jobs() == [("queued", task, "{}")]
+
+
+def test_entries_unused_for_the_ttl_expire(tmp_path: Path) -> None:
+    store = SqliteStore(tmp_path / "db.sqlite3", ttl_s=3600)
+    store.record("old", plan(1))
+    store.record("read", plan(2))
+    later = time.time() + 3000
+    with mock.patch("time.time", return_value=later):
+        assert store.get_answer("read") is not None  # a read counts as a use
+    assert store.maintain(now=later + 1000) == Evicted(expired=1)
+    assert store.get_answer("old") is None and store.get_answer("read") is not None

@@ -8,7 +8,7 @@ from typing import Annotated
 from urllib.parse import urlsplit, urlunsplit
 
 from platformdirs import user_cache_path
-from pydantic import Field, FilePath, field_validator, model_validator
+from pydantic import AliasChoices, Field, FilePath, field_validator, model_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 
@@ -20,7 +20,8 @@ def _default_workers() -> int:
 class Settings(BaseSettings):
     """Every knob of the service. Environment: ``OPTIREMAT_<NAME>``."""
 
-    model_config = SettingsConfigDict(env_prefix="OPTIREMAT_", extra="ignore", frozen=True)
+    model_config = SettingsConfigDict(env_prefix="OPTIREMAT_", extra="ignore", frozen=True,
+                                      validate_by_name=True)
 
     host: str = "127.0.0.1"
     port: int = Field(default=8000, ge=0, le=65535)
@@ -43,11 +44,22 @@ class Settings(BaseSettings):
     workers: int = Field(default_factory=_default_workers, ge=1)
     log_level: str = "INFO"
 
+    # ---- the store: SQLite under data_dir, or Redis in cluster mode ----
+    # Embedded: the data directory's bound (SQLite file, WAL and all); least recently
+    # used answers and finished jobs are evicted past it. Cluster: Redis' maxmemory
+    # bounds it (docker/README.md).
+    store_max_bytes: int = Field(default=1 << 30, ge=64 * 1024)
+    # Answers, jobs and graphs unused this long are dropped (Redis: their TTL).
+    # OPTIREMAT_RESULT_TTL_S is its first name, still read.
+    store_ttl_s: int = Field(default=7 * 24 * 3600, ge=60, validation_alias=AliasChoices(
+        "OPTIREMAT_STORE_TTL_S", "OPTIREMAT_RESULT_TTL_S"))
+    # A finished job is kept at least this long whatever the bound, so a client polling
+    # it sees it finish (embedded; in Redis its fresh TTL protects it).
+    store_job_grace_s: float = Field(default=600.0, ge=0)
+
     # ---- cluster mode: set redis_url and run `optiremat worker` processes ----
     # e.g. redis://:password@redis:6379/0; unset keeps the embedded default.
     redis_url: str | None = None
-    # How long results, jobs and uploaded graphs stay in Redis after their last write.
-    result_ttl_s: int = Field(default=7 * 24 * 3600, ge=60)
     # Times a job whose worker died mid-solve is queued again before it fails.
     job_retries: int = Field(default=1, ge=0)
     # Workers heartbeat this often; a solve whose worker misses three is abandoned.

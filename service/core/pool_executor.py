@@ -21,12 +21,15 @@ from optiremat.service.core.models import Progress, Readiness
 from optiremat.service.core.outcome import Cancelled, Failed, Interrupted, Outcome, settled
 from optiremat.service.core.pool import PoolTask, WorkerPool
 from optiremat.service.core.runs import Live
-from optiremat.service.core.store import SqliteStore
+from optiremat.service.core.store import Evicted, SqliteStore
 from optiremat.service.core.tasks import Task
 from optiremat.solver.graph import CostGraph
 
 log = logging.getLogger("optiremat.service")
 T = TypeVar("T")
+# Writes bound the store's size as they happen; this only ages entries out, for which
+# a minute is fine-grained enough against a TTL of at least a minute.
+MAINTAIN_S = 60.0
 
 
 @dataclass(eq=False)
@@ -44,10 +47,20 @@ class PoolExecutor:
         self._pool = pool
         self._runs: dict[str, _Run] = {}
         self._drivers: set[asyncio.Task[None]] = set()
+        self._maintainer: asyncio.Task[None] | None = None
 
     @classmethod
     def from_settings(cls, settings: Settings, metrics: Metrics) -> PoolExecutor:
-        store = SqliteStore(settings.database_path)  # first: a store it cannot read stops here
+        def count(evicted: Evicted) -> None:
+            metrics.store_evictions.labels(reason="ttl").inc(evicted.expired)
+            metrics.store_evictions.labels(reason="size").inc(evicted.evicted)
+
+        # first: a store it cannot read stops here
+        store = SqliteStore(settings.database_path, max_bytes=settings.store_max_bytes,
+                            ttl_s=settings.store_ttl_s, job_grace_s=settings.store_job_grace_s,
+                            on_evict=count)
+        metrics.store_bytes.set_function(store.disk_bytes)
+        metrics.store_max_bytes.set(settings.store_max_bytes)
         return cls(store, WorkerPool(settings.workers, metrics))
 
     async def _io(self, fn: Callable[..., T], *args: Any) -> T:
@@ -73,11 +86,24 @@ class PoolExecutor:
                 continue
             self._start(task, graph_json)
             log.info("requeued job %s", key)
+        self._maintainer = asyncio.create_task(self._maintain_forever())
 
     async def stop(self) -> None:
+        if self._maintainer is not None:
+            self._maintainer.cancel()
+            await asyncio.gather(self._maintainer, return_exceptions=True)
         await self._pool.stop()
         await asyncio.gather(*self._drivers, return_exceptions=True)
         self.store.close()
+
+    async def _maintain_forever(self) -> None:
+        """The store's TTL and last uses between the writes that bound its size."""
+        while True:
+            await asyncio.sleep(MAINTAIN_S)
+            try:
+                await asyncio.to_thread(self.store.maintain)
+            except Exception:  # keep maintaining whatever one round hit
+                log.exception("store maintenance failed")
 
     async def readiness(self) -> Readiness:
         try:

@@ -4,8 +4,7 @@ Blocking calls, shared by the API replicas (through ``asyncio.to_thread``) and t
 RQ workers; it imports neither FastAPI nor JAX. Outcomes are kept in the one codec
 of ``optiremat.service.core.outcome``, as in the SQLite store.
 
-Keys (``PREFIX`` carries the layout's version), each expiring ``ttl_s`` after its
-last write:
+Keys (``PREFIX`` carries the layout's version):
 
 - ``{PREFIX}:run:{key}``: a hash per request hash, the run of that request:
   ``task``, ``job`` (submitted through ``/v1/jobs``), ``generation`` (a fresh id
@@ -15,7 +14,15 @@ last write:
   budget range); written once, with the run's outcome;
 - ``{PREFIX}:graph:{graph_hash}``: the canonical graph JSON, uploaded once per
   graph rather than once per budget;
-- ``{PREFIX}:cancel:{key}``: set to cancel; the worker solving ``key`` polls it.
+- ``{PREFIX}:cancel:{key}``: set to cancel; the worker solving ``key`` polls it;
+- ``{PREFIX}:graph_runs:{graph_hash}``: the unfinished runs that need the graph.
+
+Bounds: what is finished expires ``ttl_s`` after its last use (a read renews an
+answer's or a finished run's lifetime), and Redis' ``maxmemory`` with
+``maxmemory-policy volatile-ttl`` evicts the keys closest to expiring first, that
+is, the least recently used. An unfinished run, and the graph it needs, have no
+expiry until the run finishes: ``volatile-*`` policies never evict them, nor RQ's
+queue and registries (docker/README.md).
 
 The RQ job that runs a request has the request hash as its id, so a request is
 queued once however many replicas receive it. Its queue is named after the
@@ -98,6 +105,14 @@ class RunRecord:
                          self.progress)
 
 
+@dataclass(frozen=True)
+class Usage:
+    used_bytes: int
+    max_bytes: int  # maxmemory; 0 when unbounded
+    evicted_keys: int  # past maxmemory, since Redis started
+    expired_keys: int  # past their TTL, since Redis started
+
+
 def _text(value: bytes | str) -> str:
     return value.decode() if isinstance(value, bytes) else value
 
@@ -122,6 +137,8 @@ def _record(key: str, raw: Mapping[Any, Any]) -> RunRecord | None:
 
 # Lua keeps each check-and-write atomic: a run's outcome is written once, and only by
 # (or for) the generation that is current.
+# Finishing starts the run's lifetime and, when no other unfinished run needs the
+# graph, the graph's.
 _FINISH = """
 if redis.call('HGET', KEYS[1], 'generation') == ARGV[1]
         and redis.call('HEXISTS', KEYS[1], 'outcome') == 0 then
@@ -129,6 +146,8 @@ if redis.call('HGET', KEYS[1], 'generation') == ARGV[1]
     if ARGV[5] ~= '' then redis.call('HSET', KEYS[1], 'progress', ARGV[5]) end
     redis.call('EXPIRE', KEYS[1], ARGV[4])
     if ARGV[6] ~= '' then redis.call('SET', KEYS[2], ARGV[6], 'EX', ARGV[4]) end
+    redis.call('SREM', KEYS[4], ARGV[7])
+    if redis.call('SCARD', KEYS[4]) == 0 then redis.call('EXPIRE', KEYS[3], ARGV[4]) end
     return 1
 end
 return 0
@@ -136,8 +155,7 @@ return 0
 _UPDATE_LIVE = """
 if redis.call('HGET', KEYS[1], 'generation') == ARGV[1]
         and redis.call('HEXISTS', KEYS[1], 'outcome') == 0 then
-    for i = 3, #ARGV, 2 do redis.call('HSET', KEYS[1], ARGV[i], ARGV[i + 1]) end
-    redis.call('EXPIRE', KEYS[1], ARGV[2])
+    for i = 2, #ARGV, 2 do redis.call('HSET', KEYS[1], ARGV[i], ARGV[i + 1]) end
     return 1
 end
 return 0
@@ -169,6 +187,10 @@ class RedisStore:
     def cancel_key(key: str) -> str:
         return f"{PREFIX}:cancel:{key}"
 
+    @staticmethod
+    def graph_runs_key(graph_hash: str) -> str:
+        return f"{PREFIX}:graph_runs:{graph_hash}"
+
     def unavailable(self, exc: Exception) -> Unavailable | None:
         if not isinstance(exc, RedisError):
             return None
@@ -181,7 +203,7 @@ class RedisStore:
         self.redis.ping()
 
     def get_answer(self, key: str) -> Answer | None:
-        text = self.redis.get(self.answer_key(key))
+        text = self.redis.getex(self.answer_key(key), ex=self.ttl_s)  # a use renews it
         if text is None:
             return None
         answer = decode(text)
@@ -193,7 +215,11 @@ class RedisStore:
 
     def get_job(self, key: str) -> JobRecord | None:
         record = self.get_run(key)
-        return record.as_job() if record is not None and record.job else None
+        if record is None or not record.job:
+            return None
+        if record.outcome is not None:  # a use renews a finished job's lifetime
+            self.redis.expire(self.run_key(key), self.ttl_s)
+        return record.as_job()
 
     def outcome(self, key: str) -> Outcome | None:
         text = self.redis.hget(self.run_key(key), "outcome")
@@ -209,11 +235,17 @@ class RedisStore:
     # ---- the API's side ---------------------------------------------------------
 
     def has_graph(self, graph_hash: str) -> bool:
-        """True (and its lifetime renewed) when the graph is stored already."""
-        return bool(self.redis.expire(self.graph_key(graph_hash), self.ttl_s))
+        """True when the graph is stored already; its lifetime is renewed unless an
+        unfinished run holds it (then it has none)."""
+        with self.redis.pipeline(transaction=False) as pipe:
+            pipe.exists(self.graph_key(graph_hash))
+            pipe.expire(self.graph_key(graph_hash), self.ttl_s, xx=True)
+            exists, _ = pipe.execute()
+        return bool(exists)
 
     def put_graph(self, graph_hash: str, graph_json: str) -> None:
-        self.redis.set(self.graph_key(graph_hash), graph_json, ex=self.ttl_s)
+        # nx: a graph stored meanwhile may be held by a run, without expiry: keep it so
+        self.redis.set(self.graph_key(graph_hash), graph_json, ex=self.ttl_s, nx=True)
 
     def ensure_run(self, task: Task, *, job: bool) -> tuple[RunRecord, bool]:
         """The request's run, and whether this call started it.
@@ -248,9 +280,12 @@ class RedisStore:
                         "generation": record.generation, "created_at": now, "updated_at": now,
                         **({"outcome": encode(cached)} if cached is not None else {}),
                     })
-                    pipe.expire(run_key, self.ttl_s)
-                    if cached is None:
+                    if cached is None:  # unfinished: no expiry, and it holds its graph
+                        pipe.sadd(self.graph_runs_key(task.graph_hash), key)
+                        pipe.persist(self.graph_key(task.graph_hash))
                         self._enqueue(pipe, record)
+                    else:
+                        pipe.expire(run_key, self.ttl_s)
                     pipe.execute()
                     return record, cached is None
                 except WatchError:
@@ -294,8 +329,7 @@ class RedisStore:
             return Live(record.outcome)
         if job is not None and job.args[2] != record.generation:
             return Live(None)  # restarted between the two reads: look again later
-        self.finish(key, record.generation,
-                    Failed(message=_failure_reason(job, self.retries)))
+        self.finish(record, Failed(message=_failure_reason(job, self.retries)))
         outcome = self.outcome(key)
         assert outcome is not None
         return Live(outcome)
@@ -311,7 +345,7 @@ class RedisStore:
             job = RQJob.fetch(key, connection=self.redis, serializer=JSONSerializer)
             if job.get_status(refresh=False) == RQStatus.QUEUED:
                 job.cancel()
-                self.finish(key, record.generation, Cancelled())
+                self.finish(record, Cancelled())
         except (NoSuchJobError, InvalidJobOperation):
             pass  # gone or taken meanwhile: the worker sees the flag
 
@@ -330,6 +364,18 @@ class RedisStore:
         running = StartedJobRegistry(queue=self.queue).get_job_count(cleanup=False)
         return self.queue.count, running
 
+    def usage(self) -> Usage:
+        """Redis' memory and what it has dropped since it started."""
+        memory = self.redis.info("memory")
+        stats = self.redis.info("stats")
+        return Usage(int(memory["used_memory"]), int(memory.get("maxmemory", 0)),
+                     int(stats["evicted_keys"]), int(stats["expired_keys"]))
+
+    def eviction_policy(self) -> str | None:
+        """Redis' maxmemory-policy (None when CONFIG says nothing)."""
+        policy = next(iter(self.redis.config_get("maxmemory-policy").values()), None)
+        return None if policy is None else _text(policy)
+
     def worker_count(self) -> int:
         from rq import Worker
 
@@ -339,22 +385,23 @@ class RedisStore:
 
     def update_live(self, key: str, generation: str, fields: dict[str, str | float]) -> bool:
         """Write fields of a run that is current and unfinished; False otherwise."""
-        argv: list[str | float] = [generation, self.ttl_s]
+        argv: list[str | float] = [generation]
         for name, value in fields.items():
             argv += [name, value]
         return bool(self._update_live(keys=[self.run_key(key)], args=argv))
 
-    def finish(self, key: str, generation: str, outcome: Outcome,
-               progress: Progress | None = None) -> bool:
-        """Record the run's outcome (once) and cache an answer; False if the run had
+    def finish(self, run: RunRecord, outcome: Outcome, progress: Progress | None = None) -> bool:
+        """Record how the run ended (once) and cache an answer; False if the run had
         finished already or was restarted meanwhile (the answer is cached anyway:
         it is the same answer)."""
+        key, graph_hash = run.key, run.task.graph_hash
         text = encode(outcome)
         answer = text if is_answer(outcome) else ""
         written = self._finish(
-            keys=[self.run_key(key), self.answer_key(key)],
-            args=[generation, text, time.time(), self.ttl_s,
-                  progress.model_dump_json() if progress else "", answer],
+            keys=[self.run_key(key), self.answer_key(key), self.graph_key(graph_hash),
+                  self.graph_runs_key(graph_hash)],
+            args=[run.generation, text, time.time(), self.ttl_s,
+                  progress.model_dump_json() if progress else "", answer, key],
         )
         if not written and answer:
             self.redis.set(self.answer_key(key), answer, ex=self.ttl_s, nx=True)

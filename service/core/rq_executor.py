@@ -11,6 +11,7 @@ instead of hanging. An API replica holds no state that a restart could lose.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from collections.abc import Callable
@@ -26,7 +27,7 @@ from optiremat.service.core.errors import Unavailable
 from optiremat.service.core.metrics import Metrics
 from optiremat.service.core.models import Readiness
 from optiremat.service.core.outcome import Outcome
-from optiremat.service.core.redis_store import RedisStore
+from optiremat.service.core.redis_store import RedisStore, Usage
 from optiremat.service.core.runs import Live
 from optiremat.service.core.tasks import Task
 from optiremat.solver.graph import CostGraph
@@ -47,12 +48,13 @@ class RQExecutor:
         self._heartbeat_s = heartbeat_s
         self._metrics = metrics
         self._reaper: asyncio.Task[None] | None = None
+        self._dropped: tuple[int, int] | None = None  # Redis' evicted and expired keys
 
     @classmethod
     def from_settings(cls, settings: Settings, metrics: Metrics) -> RQExecutor:
         assert settings.redis_url
         redis = Redis.from_url(settings.redis_url, health_check_interval=30)
-        store = RedisStore(redis, settings.result_ttl_s, settings.job_retries)
+        store = RedisStore(redis, settings.store_ttl_s, settings.job_retries)
         return cls(store, settings.worker_heartbeat_s, metrics)
 
     def _unavailable(self, exc: RedisError) -> Unavailable:
@@ -70,6 +72,12 @@ class RQExecutor:
     # ---- lifecycle ------------------------------------------------------------
 
     async def start(self) -> None:
+        with contextlib.suppress(RedisError):  # managed Redis may refuse CONFIG: no matter
+            policy = await asyncio.to_thread(self.store.eviction_policy)
+            if policy is not None and not policy.startswith("volatile-"):
+                log.warning("Redis evicts with maxmemory-policy %s; use volatile-ttl so that "
+                            "only expiring keys go, never queued runs (docker/README.md)",
+                            policy)
         self._reaper = asyncio.create_task(self._reap_forever())
 
     async def stop(self) -> None:
@@ -95,11 +103,23 @@ class RQExecutor:
                 queued, running = await asyncio.to_thread(self.store.reap, 0.9 * period)
                 self._metrics.queue_depth.set(queued)
                 self._metrics.busy_workers.set(running)
+                self._count_usage(await asyncio.to_thread(self.store.usage))
             except RedisError as exc:
                 log.warning("reaper: Redis does not answer: %s", exc)
             except Exception:  # keep reaping whatever one round hit
                 log.exception("reaper round failed")
             await asyncio.sleep(period)
+
+    def _count_usage(self, usage: Usage) -> None:
+        self._metrics.store_bytes.set(usage.used_bytes)
+        self._metrics.store_max_bytes.set(usage.max_bytes)
+        dropped = (usage.evicted_keys, usage.expired_keys)
+        # Redis counts from its start: count the difference (all of it after a restart)
+        before = self._dropped or dropped
+        for reason, now, then in zip(("size", "ttl"), dropped, before, strict=True):
+            self._metrics.store_evictions.labels(reason=reason).inc(
+                now - then if now >= then else now)
+        self._dropped = dropped
 
     # ---- runs -------------------------------------------------------------------
 

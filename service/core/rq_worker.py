@@ -115,13 +115,13 @@ def run_job(task_doc: dict[str, Any], key: str, generation: str, ttl_s: int) -> 
         log.info("job %s: nothing to do", key)
         return "skipped"
     if store.cancel_requested(key):
-        store.finish(key, generation, Cancelled())
+        store.finish(record, Cancelled())
         return "cancelled"
     graph_json = store.get_graph(task.graph_hash)
     if graph_json is None:
-        store.finish(key, generation, Failed(message=(
-            "the graph expired from Redis before a worker took the job (see "
-            "OPTIREMAT_RESULT_TTL_S); submit the request again")))
+        store.finish(record, Failed(message=(
+            "the graph was not in Redis when a worker took the job (evicted under memory "
+            "pressure before the job was queued, or lost by Redis); submit the request again")))
         return "failed"
     store.update_live(key, generation, {"started_at": time.time(), "updated_at": time.time(),
                                         "worker": job.worker_name or "", "progress": ""})
@@ -137,7 +137,7 @@ def run_job(task_doc: dict[str, Any], key: str, generation: str, ttl_s: int) -> 
         done.set()
         watcher.join()
     outcome = settled(Cancelled(partial=result) if cancel.is_set() else result)
-    store.finish(key, generation, outcome, progress=progress.latest)
+    store.finish(record, outcome, progress=progress.latest)
     name = type(outcome).__name__.lower()
     log.info("task finished", extra={"job": key, "kind": task.kind, "outcome": name,
                                      "seconds": round(time.monotonic() - started, 3)})
