@@ -5,12 +5,15 @@ from __future__ import annotations
 
 import ast
 import sqlite3
+import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from optiremat.service.core import tasks
+from optiremat.service.core.models import JobStatus
 from optiremat.service.core.outcome import (
     BudgetRange,
     Cancelled,
@@ -218,3 +221,40 @@ def test_past_maxmemory_redis_evicts_answers_but_no_unfinished_run(
 
 def plan(i: int, size: int) -> Solved:
     return Solved(solution_json=f'{{"i": {i}, "pad": "{"x" * size}"}}')
+
+
+def test_redis_lists_a_keys_jobs_newest_first_a_page_at_a_time(
+        redis_server: RedisServer) -> None:
+    store = RedisStore(redis_server.client(), ttl_s=3600)
+    store.redis.flushall()
+    runs = []
+    for budget in range(5):
+        task = SolveTask(graph_hash="g", budget_bytes=budget, options=SolveOptions())
+        runs.append(store.ensure_run(task, job=True)[0])
+        time.sleep(0.002)  # distinct created_at
+    for run in runs[:4]:
+        store.add_owner(run.as_job(), "alpha")
+    store.add_owner(runs[0].as_job(), "beta")
+    store.finish(runs[1], Failed(message="no"))
+    store.ensure_run(SolveTask(graph_hash="g", budget_bytes=99, options=SolveOptions()),
+                     job=False)  # not a job: never listed
+
+    def keys(owner: str | None, **kw: Any) -> list[str]:
+        jobs, _ = store.list_jobs(owner, kw.get("status"), None, 10)
+        return [job.key for job in jobs]
+
+    newest_first = [run.key for run in reversed(runs)]
+    assert keys(None) == newest_first
+    assert keys("alpha") == newest_first[1:]
+    assert keys("beta") == [runs[0].key]
+    assert keys("alpha", status=JobStatus.FAILED) == [runs[1].key]
+    assert keys(None, status=JobStatus.QUEUED) == [k for k in newest_first if k != runs[1].key]
+
+    first, after = store.list_jobs("alpha", None, None, 3)
+    assert after is not None and [job.key for job in first] == newest_first[1:4]
+    rest, _ = store.list_jobs("alpha", None, after, 3)
+    assert [job.key for job in rest] == newest_first[4:]
+
+    store.redis.delete(store.run_key(runs[2].key))  # gone from Redis: gone from the index
+    assert runs[2].key not in keys("alpha")
+    assert store.redis.zscore(store.jobs_key("alpha"), runs[2].key) is None

@@ -11,15 +11,18 @@ import httpx
 import pytest
 
 from optiremat.solver.solve import max_useful_budget, min_feasible_budget
-from tests.service_harness import Server, body, chain, metric, running_server
+from tests.service_harness import Server, body, chain, metric, running_server, tangled
 
 STORE_BOUND = 256 * 1024
 
 
-def finished(client: httpx.Client, job_id: str, timeout_s: float = 60) -> dict[str, Any]:
+def finished(client: httpx.Client, job_id: str, timeout_s: float = 60,
+             **headers: str) -> dict[str, Any]:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
-        job = client.get(f"/v1/jobs/{job_id}").json()
+        response = client.get(f"/v1/jobs/{job_id}", headers=headers)
+        assert response.status_code == 200, response.text
+        job = response.json()
         if job["status"] not in ("queued", "running"):
             return job
         time.sleep(0.05)
@@ -54,3 +57,82 @@ def test_past_its_bound_the_store_evicts_and_an_evicted_job_is_a_clean_404(
         again = client.post("/v1/jobs", json=body(graph, budgets[0]))  # solved again
         assert again.status_code == 202 and again.json()["id"] == job["id"]
         assert finished(client, job["id"])["solution"]["saved_keys"] == solution["saved_keys"]
+
+
+# ---- GET /v1/jobs -------------------------------------------------------------------
+
+KEYS = {"alpha": "alpha-key", "beta": "beta-key"}
+
+
+@pytest.fixture(scope="module")
+def keyed(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    yield from running_server(tmp_path_factory, workers="1", api_keys=",".join(KEYS.values()))
+
+
+def as_(who: str) -> dict[str, str]:
+    return {"Authorization": f"Bearer {KEYS[who]}"}
+
+
+def page(client: httpx.Client, who: str, **params: Any) -> dict[str, Any]:
+    response = client.get("/v1/jobs", params=params, headers=as_(who))
+    assert response.status_code == 200, response.text
+    return response.json()
+
+
+def test_each_key_lists_the_jobs_it_submitted_newest_first(keyed: Server) -> None:
+    requests = [body(chain(4 + i, name=f"listed-{i}"), 10**9) for i in range(4)]
+    with keyed.client() as client:
+        def submit(who: str, request: dict[str, Any]) -> str:
+            response = client.post("/v1/jobs", json=request, headers=as_(who))
+            assert response.status_code in (200, 202), response.text
+            return str(response.json()["id"])
+
+        alphas = [submit("alpha", r) for r in requests[:3]]
+        beta = submit("beta", requests[3])
+        shared = submit("beta", requests[0])  # alpha's first job, submitted again by beta
+        assert shared == alphas[0]
+        for job_id in [*alphas, beta]:
+            finished(client, job_id, **as_("alpha"))
+
+        first = page(client, "alpha", limit=2)
+        assert [j["id"] for j in first["jobs"]] == alphas[:0:-1]  # newest first
+        assert "solution" not in first["jobs"][0]  # a summary: the job itself has the plan
+        second = page(client, "alpha", limit=2, cursor=first["next_cursor"])
+        assert [j["id"] for j in second["jobs"]] == alphas[:1]
+        assert second["next_cursor"] is None
+        assert {j["id"] for j in page(client, "beta")["jobs"]} == {beta, alphas[0]}
+        assert page(client, "beta", status="failed")["jobs"] == []
+        assert len(page(client, "alpha", status="succeeded")["jobs"]) == 3
+
+
+def test_the_status_filter_sees_queued_and_running_jobs(keyed: Server) -> None:
+    blocker = body(tangled(20, 8, seed=4, name="blocker"), 10**6, tie=False, time_limit_s=600)
+    with keyed.client() as client:
+        slow = client.post("/v1/jobs", json=blocker, headers=as_("alpha")).json()["id"]
+        waiting = client.post("/v1/jobs", json=body(chain(6, name="waits"), 10**9),
+                              headers=as_("alpha")).json()["id"]
+        try:
+            deadline = time.monotonic() + 30
+            while [j["id"] for j in page(client, "alpha", status="running")["jobs"]] != [slow]:
+                assert time.monotonic() < deadline, "the slow job never showed as running"
+                time.sleep(0.05)
+            assert [j["id"] for j in page(client, "alpha", status="queued")["jobs"]] == [waiting]
+        finally:
+            for job_id in (waiting, slow):
+                client.delete(f"/v1/jobs/{job_id}", headers=as_("alpha"))
+        assert {j["id"] for j in page(client, "alpha", status="cancelled")["jobs"]} >= {waiting}
+
+
+@pytest.mark.parametrize(("params", "words"), [
+    ({"cursor": "not-a-cursor"}, ["cursor", "not a cursor this server handed out"]),
+    ({"limit": 0}, ["limit"]),
+    ({"limit": 101}, ["limit"]),
+    ({"status": "lost"}, ["status"]),
+])
+def test_a_bad_listing_query_is_a_422_naming_the_parameter(keyed: Server, params: dict[str, Any],
+                                                          words: list[str]) -> None:
+    with keyed.client() as client:
+        response = client.get("/v1/jobs", params=params, headers=as_("alpha"))
+    assert response.status_code == 422
+    assert response.headers["content-type"] == "application/problem+json"
+    assert all(word in response.json()["detail"] for word in words), response.json()

@@ -88,7 +88,8 @@ def problem_responses(*codes: int) -> dict[int | str, dict[str, Any]]:
         415: "Body is not JSON, or its Content-Encoding is not gzip",
         422: "Request fails validation, or the budget is infeasible",
         500: "Internal error",
-        503: "Not ready, or shutting down",
+        503: "Unavailable for now (not ready, shutting down, the store down or full); "
+             "Retry-After says when to try again",
     }
     return {code: {"model": Problem, "description": descriptions[code]} for code in codes}
 

@@ -14,7 +14,9 @@ A job is the same run, also recorded as a job under its request hash.
 from __future__ import annotations
 
 import asyncio
+import base64
 import contextlib
+import json
 import logging
 from collections import OrderedDict
 from collections.abc import Callable, Coroutine
@@ -28,7 +30,9 @@ from optiremat.service.core.models import (
     Frontier,
     FrontierPoint,
     Job,
+    JobPage,
     JobStatus,
+    JobSummary,
     Problem,
     Readiness,
 )
@@ -42,7 +46,7 @@ from optiremat.service.core.outcome import (
     Solved,
     reusable,
 )
-from optiremat.service.core.runs import Executor, JobRecord, job_status
+from optiremat.service.core.runs import Executor, JobRecord, Position, job_status
 from optiremat.service.core.tasks import BudgetRangeTask, SolveTask, Task
 from optiremat.solver.frontier import SweepResult, mark_pareto, point_fields, spaced_budgets
 from optiremat.solver.graph import CostGraph
@@ -78,13 +82,22 @@ class BodyMemo:
         return key
 
 
+def job_summary(record: JobRecord, status: JobStatus) -> JobSummary:
+    task = record.task
+    return JobSummary(
+        id=record.key, status=status, graph_hash=task.graph_hash,
+        budget_bytes=task.budget_bytes, options=task.options,
+        created_at=datetime.fromtimestamp(record.created_at, UTC),
+        updated_at=datetime.fromtimestamp(record.updated_at, UTC),
+        progress=record.progress,
+    )
+
+
 def job_view(record: JobRecord, outcome: Outcome | None, running: bool = False) -> Job:
     """The API's Job: ``outcome`` is the record's, or the live run's once it ended."""
+    status = job_status(outcome, running)
     solution = error = None
-    if outcome is None:
-        status = JobStatus.RUNNING if running else JobStatus.QUEUED
-    else:
-        status = job_status(outcome)
+    if outcome is not None:
         if isinstance(outcome, Cancelled):
             solution = outcome.partial if isinstance(outcome.partial, Solved) else None
         elif isinstance(outcome, Solved):
@@ -94,16 +107,23 @@ def job_view(record: JobRecord, outcome: Outcome | None, running: bool = False) 
         else:
             error = Problem.solve_failed(
                 outcome.message if isinstance(outcome, Failed) else repr(outcome))
-    task = record.task
     return Job(
-        id=record.key, status=status, graph_hash=task.graph_hash,
-        budget_bytes=task.budget_bytes, options=task.options,
-        created_at=datetime.fromtimestamp(record.created_at, UTC),
-        updated_at=datetime.fromtimestamp(record.updated_at, UTC),
-        progress=record.progress,
+        **job_summary(record, status).model_dump(),
         solution=None if solution is None else Solution.model_validate_json(solution.solution_json),
         error=error,
     )
+
+
+def encode_cursor(position: Position) -> str:
+    return base64.urlsafe_b64encode(json.dumps(position).encode()).decode().rstrip("=")
+
+
+def decode_cursor(cursor: str) -> Position:
+    try:
+        created_at, key = json.loads(base64.urlsafe_b64decode(cursor + "=" * (-len(cursor) % 4)))
+        return float(created_at), str(key)
+    except (ValueError, TypeError) as exc:
+        raise ValueError(f"{cursor!r} is not a cursor this server handed out") from exc
 
 
 class Front:
@@ -239,10 +259,11 @@ class Front:
 
     # ---- jobs -----------------------------------------------------------------
 
-    async def submit_job(self, graph: CostGraph, budget_bytes: int,
-                         options: SolveOptions) -> Job:
+    async def submit_job(self, graph: CostGraph, budget_bytes: int, options: SolveOptions,
+                         owner: str | None = None) -> Job:
         """The job for this request: the existing one, or a new (or restarted) one when
-        there is none or it failed or was cancelled."""
+        there is none or it failed or was cancelled. ``owner`` (an API key's id) sees it
+        in its listing from now on, whoever submitted it first."""
         task = SolveTask(graph_hash=graph.content_hash, budget_bytes=budget_bytes,
                          options=options)
         record = await self._read(self._store.get_job, task.key)
@@ -250,7 +271,23 @@ class Front:
             await self._executor.ensure(task, graph, job=True)
             record = await self._read(self._store.get_job, task.key)
             assert record is not None, "ensure(job=True) records the job"
+        if owner is not None:
+            await self._read(self._store.add_owner, record, owner)
         return await self._view(record)
+
+    async def list_jobs(self, owner: str | None, status: JobStatus | None, limit: int,
+                        cursor: str | None = None) -> JobPage:
+        """Jobs newest first (``owner``'s only, unless None). Raises ``ValueError`` for a
+        cursor this server did not hand out."""
+        after = None if cursor is None else decode_cursor(cursor)
+        records, position = await self._read(self._store.list_jobs, owner, status, after,
+                                             limit)
+        summaries = []
+        for record in records:
+            record, outcome, running = await self._live(record)
+            summaries.append(job_summary(record, job_status(outcome, running)))
+        return JobPage(jobs=summaries,
+                       next_cursor=None if position is None else encode_cursor(position))
 
     async def get_job(self, job_id: str) -> Job | None:
         record = await self._read(self._store.get_job, job_id)
@@ -267,10 +304,14 @@ class Front:
                 await self._executor.wait(job_id, timeout_s=wait_s)
         return await self.get_job(job_id)
 
-    async def _view(self, record: JobRecord) -> Job:
+    async def _live(self, record: JobRecord) -> tuple[JobRecord, Outcome | None, bool]:
+        """(record, outcome, running): while unfinished, the live run is the truth."""
         if record.outcome is not None:
-            return job_view(record, record.outcome)
-        live = await self._executor.live(record.key)  # the live run is the truth meanwhile
+            return record, record.outcome, False
+        live = await self._executor.live(record.key)
         if live.progress is not None:
             record = replace(record, progress=live.progress)
-        return job_view(record, live.outcome, live.running)
+        return record, live.outcome, live.running
+
+    async def _view(self, record: JobRecord) -> Job:
+        return job_view(*await self._live(record))

@@ -77,8 +77,8 @@ class Progress(BaseModel):
     elapsed_s: float = 0.0
 
 
-class Job(BaseModel):
-    """A background solve. ``id`` is the request hash, so resubmitting finds the same job."""
+class JobSummary(BaseModel):
+    """A job as ``GET /v1/jobs`` lists it: ``GET /v1/jobs/{id}`` has its solution or error."""
 
     id: str
     status: JobStatus
@@ -88,11 +88,25 @@ class Job(BaseModel):
     created_at: datetime
     updated_at: datetime
     progress: Progress | None = None
+
+
+class Job(JobSummary):
+    """A background solve. ``id`` is the request hash, so resubmitting finds the same job."""
+
     solution: Solution | None = Field(
         default=None,
         description="When succeeded; when cancelled, the best plan found before the cancel.",
     )
     error: Problem | None = Field(default=None, description="When failed: what went wrong.")
+
+
+class JobPage(BaseModel):
+    """Jobs newest first. A page may hold fewer than ``limit`` jobs and still have a next
+    one: follow ``next_cursor`` until it is null."""
+
+    jobs: list[JobSummary]
+    next_cursor: str | None = Field(
+        default=None, description="Pass as ``cursor`` for the next page; null on the last.")
 
 
 class FrontierPoint(BaseModel):

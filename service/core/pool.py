@@ -41,6 +41,7 @@ class PoolTask:
     task: Task
     graph_json: str
     on_progress: Callable[[Progress], None] | None = None
+    on_start: Callable[[], None] | None = None  # when a worker takes it
     future: asyncio.Future[Outcome] = field(init=False)
     cancel_requested: bool = field(default=False, init=False)
     worker: _Worker | None = field(default=None, init=False)
@@ -135,6 +136,8 @@ class WorkerPool:
                 continue
             worker.cancel.clear()
             task.worker = worker
+            if task.on_start is not None:
+                task.on_start()
             self._running.add(task)
             self._metrics.busy_workers.inc()
             started = time.monotonic()

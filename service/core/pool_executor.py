@@ -136,6 +136,18 @@ class PoolExecutor:
         self._drivers.add(driver)
         driver.add_done_callback(self._drivers.discard)
 
+    def _in_background(self, write: Callable[..., None], *args: Any) -> None:
+        """A store write nobody waits for (a failure is logged)."""
+        async def attempt() -> None:
+            try:
+                await asyncio.to_thread(write, *args)
+            except Exception:
+                log.exception("store write %s failed", write.__name__)
+
+        task = asyncio.create_task(attempt())
+        self._drivers.add(task)
+        task.add_done_callback(self._drivers.discard)
+
     async def _drive(self, run: _Run, graph: CostGraph | str) -> None:
         try:
             outcome = await self._execute(run, graph)
@@ -161,7 +173,9 @@ class PoolExecutor:
         # No await between creating the task and queueing it: cancel sees either no
         # task (and the check above) or a task it can cancel.
         run.pool_task = PoolTask(run.task, graph_json,
-                                 on_progress=lambda report: setattr(run, "progress", report))
+                                 on_progress=lambda report: setattr(run, "progress", report),
+                                 on_start=lambda: self._in_background(
+                                     self.store.mark_running, run.task.key))
         return settled(await self._pool.submit(run.pool_task))
 
     async def wait(self, key: str, timeout_s: float | None = None) -> Outcome | None:

@@ -15,7 +15,11 @@ Keys (``PREFIX`` carries the layout's version):
 - ``{PREFIX}:graph:{graph_hash}``: the canonical graph JSON, uploaded once per
   graph rather than once per budget;
 - ``{PREFIX}:cancel:{key}``: set to cancel; the worker solving ``key`` polls it;
-- ``{PREFIX}:graph_runs:{graph_hash}``: the unfinished runs that need the graph.
+- ``{PREFIX}:graph_runs:{graph_hash}``: the unfinished runs that need the graph;
+- ``{PREFIX}:jobs`` and ``{PREFIX}:jobs:{owner}``: sorted sets of job keys by
+  ``created_at``, all jobs and those of one API key's id, for ``GET /v1/jobs``;
+  trimmed of what is older than ``ttl_s`` as they grow, and of what has gone from
+  Redis as they are read.
 
 Bounds: what is finished expires ``ttl_s`` after its last use (a read renews an
 answer's or a finished run's lifetime), and Redis' ``maxmemory`` with
@@ -37,7 +41,7 @@ import time
 import uuid
 from collections.abc import Mapping
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import Any, cast
 
 from redis import Redis
 from redis.exceptions import RedisError, WatchError
@@ -55,7 +59,7 @@ from rq.results import Result
 from rq.serializers import JSONSerializer
 
 from optiremat.service.core.errors import Unavailable
-from optiremat.service.core.models import Progress
+from optiremat.service.core.models import JobStatus, Progress
 from optiremat.service.core.outcome import (
     Answer,
     Cancelled,
@@ -66,7 +70,7 @@ from optiremat.service.core.outcome import (
     is_answer,
     reusable,
 )
-from optiremat.service.core.runs import JobRecord, Live
+from optiremat.service.core.runs import JobRecord, Live, Position
 from optiremat.service.core.tasks import TASKS, SolveTask, Task, solver_version
 
 # 2: one outcome codec for both stores, runs keyed by their task (1 had its own codec)
@@ -76,6 +80,7 @@ PREFIX = "optiremat:v2"
 # solve ends with its incumbent instead of being killed.
 JOB_TIMEOUT_MARGIN_S = 120
 TASK_FUNCTION = "optiremat.service.core.rq_worker.run_job"
+_LIST_SCAN = 10
 _LIVE = (RQStatus.QUEUED, RQStatus.STARTED, RQStatus.SCHEDULED, RQStatus.DEFERRED,
          RQStatus.CREATED, RQStatus.READY_TO_ENQUEUE)
 
@@ -98,11 +103,12 @@ class RunRecord:
     updated_at: float
     progress: Progress | None
     outcome: Outcome | None
+    started: bool = False  # a worker took it (it may since have died and been requeued)
 
     def as_job(self) -> JobRecord:
         assert isinstance(self.task, SolveTask)
         return JobRecord(self.key, self.task, self.created_at, self.updated_at, self.outcome,
-                         self.progress)
+                         self.progress, self.started)
 
 
 @dataclass(frozen=True)
@@ -132,6 +138,7 @@ def _record(key: str, raw: Mapping[Any, Any]) -> RunRecord | None:
         updated_at=float(fields["updated_at"]),
         progress=Progress.model_validate_json(progress) if progress else None,
         outcome=None if outcome is None else decode(outcome),
+        started="started_at" in fields,
     )
 
 
@@ -191,6 +198,15 @@ class RedisStore:
     def graph_runs_key(graph_hash: str) -> str:
         return f"{PREFIX}:graph_runs:{graph_hash}"
 
+    @staticmethod
+    def jobs_key(owner: str | None = None) -> str:
+        return f"{PREFIX}:jobs" if owner is None else f"{PREFIX}:jobs:{owner}"
+
+    def _index(self, pipe: Any, owner: str | None, job: JobRecord | RunRecord) -> None:
+        index = self.jobs_key(owner)
+        pipe.zadd(index, {job.key: job.created_at})
+        pipe.zremrangebyscore(index, "-inf", time.time() - self.ttl_s)
+
     def unavailable(self, exc: Exception) -> Unavailable | None:
         if not isinstance(exc, RedisError):
             return None
@@ -220,6 +236,50 @@ class RedisStore:
         if record.outcome is not None:  # a use renews a finished job's lifetime
             self.redis.expire(self.run_key(key), self.ttl_s)
         return record.as_job()
+
+    def add_owner(self, job: JobRecord, owner: str) -> None:
+        with self.redis.pipeline() as pipe:
+            self._index(pipe, owner, job)
+            pipe.execute()
+
+    def list_jobs(self, owner: str | None, status: JobStatus | None, after: Position | None,
+                  limit: int) -> tuple[list[JobRecord], Position | None]:
+        """As the protocol says; a page stops short after ``_LIST_SCAN`` times ``limit``
+        entries looked at, so that a rare status costs pages, not one long request."""
+        index = self.jobs_key(owner)
+        top = "+inf" if after is None else after[0]
+        jobs: list[JobRecord] = []
+        gone: list[str] = []
+        seen = 0
+        position: Position | None = None
+        while len(jobs) < limit and seen < _LIST_SCAN * limit:
+            entries = cast(list[tuple[bytes, float]], self.redis.zrevrangebyscore(
+                index, top, "-inf", start=seen, num=2 * limit, withscores=True))
+            if not entries:
+                position = None
+                break
+            seen += len(entries)
+            with self.redis.pipeline(transaction=False) as pipe:
+                for member, _ in entries:
+                    pipe.hgetall(self.run_key(_text(member)))
+                raws = pipe.execute()
+            for (member, score), raw in zip(entries, raws, strict=True):
+                key = _text(member)
+                if after is not None and (score, key) >= after:
+                    continue  # on the last page already
+                position = (score, key)
+                record = _record(key, raw)
+                if record is None or not record.job:
+                    gone.append(key)
+                    continue
+                job = record.as_job()
+                if status is None or job.status == status:
+                    jobs.append(job)
+                    if len(jobs) == limit:
+                        break
+        if gone:
+            self.redis.zrem(index, *gone)
+        return jobs, position
 
     def outcome(self, key: str) -> Outcome | None:
         text = self.redis.hget(self.run_key(key), "outcome")
@@ -266,6 +326,7 @@ class RedisStore:
                         if job and not record.job:
                             pipe.multi()
                             pipe.hset(run_key, "job", "1")
+                            self._index(pipe, None, record)
                             pipe.execute()
                             record = replace(record, job=True)
                         return record, False
@@ -280,6 +341,8 @@ class RedisStore:
                         "generation": record.generation, "created_at": now, "updated_at": now,
                         **({"outcome": encode(cached)} if cached is not None else {}),
                     })
+                    if record.job:
+                        self._index(pipe, None, record)
                     if cached is None:  # unfinished: no expiry, and it holds its graph
                         pipe.sadd(self.graph_runs_key(task.graph_hash), key)
                         pipe.persist(self.graph_key(task.graph_hash))

@@ -22,7 +22,8 @@ from optiremat.solver.graph import CostGraph
 
 @dataclass(frozen=True)
 class JobRecord:
-    """A job as its store keeps it; ``outcome`` is None until it has finished."""
+    """A job as its store keeps it; ``outcome`` is None until it has finished, and
+    ``started`` says whether a worker has taken it meanwhile."""
 
     key: str
     task: SolveTask
@@ -30,10 +31,22 @@ class JobRecord:
     updated_at: float
     outcome: Outcome | None
     progress: Progress | None
+    started: bool = False
+
+    @property
+    def status(self) -> JobStatus:
+        """The status the store knows of (the live run may know better)."""
+        return job_status(self.outcome, self.started)
 
 
-def job_status(outcome: Outcome) -> JobStatus:
-    """The status of a job that ended so."""
+Position = tuple[float, str]
+"""Where a job stands in a listing, newest first: (created_at, key)."""
+
+
+def job_status(outcome: Outcome | None, running: bool = False) -> JobStatus:
+    """The status of a job that ended so, or, unfinished, is ``running`` or not."""
+    if outcome is None:
+        return JobStatus.RUNNING if running else JobStatus.QUEUED
     if outcome.type == "solved":
         return JobStatus.SUCCEEDED
     if outcome.type == "cancelled":
@@ -59,6 +72,15 @@ class Store(Protocol):
     def get_answer(self, key: str) -> Answer | None: ...
 
     def get_job(self, key: str) -> JobRecord | None: ...
+
+    def add_owner(self, job: JobRecord, owner: str) -> None:
+        """List the job for this API key's id too."""
+
+    def list_jobs(self, owner: str | None, status: JobStatus | None, after: Position | None,
+                  limit: int) -> tuple[list[JobRecord], Position | None]:
+        """Jobs newest first, after ``after``: those of ``owner`` (all when None), with
+        ``status`` (any when None); at most ``limit``, and where the next page starts
+        (None on the last one)."""
 
     def unavailable(self, exc: Exception) -> Unavailable | None:
         """``exc`` as a 503 when it means the store is down or full, else None."""

@@ -6,9 +6,10 @@ kept in the one codec of ``optiremat.service.core.outcome``. Every write is one
 transaction: a failure (a full disk, a read-only one) leaves the store as it was.
 
 Tables: ``answers`` (request hash -> answer), ``jobs`` (request hash -> task,
-status, outcome, progress, times) and ``graphs`` (content hash -> canonical graph
-JSON), which holds the graphs of unfinished jobs, to run them again after a
-restart; a graph goes once no unfinished job needs it.
+status, outcome, progress, times), ``job_owners`` (which API keys submitted a job)
+and ``graphs`` (content hash -> canonical graph JSON), which holds the graphs of
+unfinished jobs, to run them again after a restart; a graph goes once no unfinished
+job needs it.
 
 The store is bounded (``max_bytes``, ``ttl_s``). Answers and finished jobs record
 when they were last used; reads note it in memory and ``maintain`` writes it, so
@@ -36,7 +37,7 @@ from pathlib import Path
 from optiremat.service.core.errors import Unavailable
 from optiremat.service.core.models import JobStatus, Progress
 from optiremat.service.core.outcome import Answer, Outcome, decode, encode, is_answer
-from optiremat.service.core.runs import JobRecord, job_status
+from optiremat.service.core.runs import JobRecord, Position, job_status
 from optiremat.service.core.tasks import SolveTask
 
 log = logging.getLogger("optiremat.service")
@@ -66,6 +67,14 @@ CREATE TABLE IF NOT EXISTS jobs (
 );
 CREATE INDEX IF NOT EXISTS jobs_by_status ON jobs (status);
 CREATE INDEX IF NOT EXISTS jobs_by_use ON jobs (used_at);
+CREATE INDEX IF NOT EXISTS jobs_newest_first ON jobs (created_at DESC, key DESC);
+CREATE TABLE IF NOT EXISTS job_owners (
+    owner TEXT NOT NULL,           -- the key id of an API key that submitted the job
+    key TEXT NOT NULL,
+    created_at REAL NOT NULL,      -- the job's, to list an owner's jobs newest first
+    PRIMARY KEY (owner, key)
+);
+CREATE INDEX IF NOT EXISTS job_owners_newest_first ON job_owners (owner, created_at DESC, key DESC);
 CREATE TABLE IF NOT EXISTS graphs (
     hash TEXT PRIMARY KEY,         -- the graph's content hash
     json TEXT NOT NULL             -- canonical graph JSON
@@ -76,6 +85,17 @@ _UNFINISHED = (JobStatus.QUEUED, JobStatus.RUNNING)
 # the next eviction instead of evicting on every write.
 LOW_WATER = 0.9
 _EVICT_BATCH = 256
+
+
+_JOB_COLUMNS = "key, task, outcome, progress, created_at, updated_at, status"
+
+
+def _job_record(row: tuple[str, str, str | None, str | None, float, float, str]) -> JobRecord:
+    key, task, outcome, progress, created_at, updated_at, status = row
+    return JobRecord(key, SolveTask.model_validate_json(task), created_at, updated_at,
+                     None if outcome is None else decode(outcome),
+                     None if progress is None else Progress.model_validate_json(progress),
+                     started=status == JobStatus.RUNNING)
 
 
 @dataclass(frozen=True)
@@ -169,17 +189,44 @@ class SqliteStore:
 
     def get_job(self, key: str) -> JobRecord | None:
         with self._lock:
-            row = self._db.execute(
-                "SELECT task, outcome, progress, created_at, updated_at FROM jobs WHERE key = ?",
-                (key,),
-            ).fetchone()
+            row = self._db.execute(f"SELECT {_JOB_COLUMNS} FROM jobs WHERE key = ?",
+                                   (key,)).fetchone()
             if row is None:
                 return None
             self._used["jobs", key] = time.time()
-        task, outcome, progress, created_at, updated_at = row
-        return JobRecord(key, SolveTask.model_validate_json(task), created_at, updated_at,
-                         None if outcome is None else decode(outcome),
-                         None if progress is None else Progress.model_validate_json(progress))
+        return _job_record(row)
+
+    def add_owner(self, job: JobRecord, owner: str) -> None:
+        with self._transaction() as db:
+            db.execute("INSERT OR IGNORE INTO job_owners (owner, key, created_at) "
+                       "VALUES (?, ?, ?)", (owner, job.key, job.created_at))
+
+    def list_jobs(self, owner: str | None, status: JobStatus | None, after: Position | None,
+                  limit: int) -> tuple[list[JobRecord], Position | None]:
+        where: list[str] = ["1"]
+        args: list[object] = []
+        if owner is not None:
+            where.append("key IN (SELECT key FROM job_owners WHERE owner = ?)")
+            args.append(owner)
+        if status is not None:
+            where.append("status = ?")
+            args.append(status)
+        if after is not None:
+            where.append("(created_at, key) < (?, ?)")
+            args += after
+        with self._lock:
+            rows = self._db.execute(
+                f"SELECT {_JOB_COLUMNS} FROM jobs WHERE {' AND '.join(where)} "
+                "ORDER BY created_at DESC, key DESC LIMIT ?", (*args, limit + 1)).fetchall()
+        jobs = [_job_record(row) for row in rows[:limit]]
+        more = len(rows) > limit
+        return jobs, (jobs[-1].created_at, jobs[-1].key) if more else None
+
+    def mark_running(self, key: str) -> None:
+        """A worker took the queued job."""
+        with self._transaction() as db:
+            db.execute("UPDATE jobs SET status = ?, updated_at = ? WHERE key = ? AND status = ?",
+                       (JobStatus.RUNNING, time.time(), key, JobStatus.QUEUED))
 
     def put_job(self, key: str, task: SolveTask, graph_json: str) -> None:
         """Create the job, or restart a finished one under the same key, with its graph."""
@@ -224,8 +271,12 @@ class SqliteStore:
         self._bound()
 
     def unfinished_jobs(self) -> list[tuple[str, SolveTask, str]]:
-        """(key, task, graph JSON) of the jobs a previous server left queued or running."""
+        """(key, task, graph JSON) of the jobs a previous server left queued or running;
+        they are queued again."""
         with self._lock:
+            with suppress(sqlite3.OperationalError):  # a read-only store still lists them
+                self._db.execute("UPDATE jobs SET status = ? WHERE status = ?",
+                                 (JobStatus.QUEUED, JobStatus.RUNNING))
             rows = self._db.execute(
                 "SELECT jobs.key, jobs.task, graphs.json FROM jobs "
                 "JOIN graphs ON graphs.hash = jobs.graph_hash "
@@ -289,6 +340,8 @@ class SqliteStore:
                     freed += size
                     if freed >= excess:
                         break
+            if expired or evicted:
+                db.execute("DELETE FROM job_owners WHERE key NOT IN (SELECT key FROM jobs)")
         if expired or evicted:
             with self._lock:
                 # executescript steps the vacuum to its end (execute frees one page)

@@ -1,8 +1,10 @@
-"""Background solves: submit, poll, cancel. A job's id is its request hash."""
+"""Background solves: submit, list, poll, cancel. A job's id is its request hash."""
 
 from __future__ import annotations
 
-from fastapi import APIRouter, Depends, Request
+from typing import Annotated
+
+from fastapi import APIRouter, Depends, Query, Request
 from starlette.responses import Response
 
 from optiremat.service.api.deps import (
@@ -16,14 +18,18 @@ from optiremat.service.api.deps import (
 )
 from optiremat.service.api.models import SolveRequest
 from optiremat.service.api.problems import ProblemError, problem_responses
-from optiremat.service.core.models import Job, JobStatus
+from optiremat.service.core.models import INVALID_REQUEST, Job, JobPage, JobStatus
 
 router = APIRouter(prefix="/v1/jobs", tags=["jobs"], dependencies=[Depends(require_api_key)])
 
 
+MAX_PAGE = 100
+
+
 def _not_found(job_id: str) -> ProblemError:
     return ProblemError(404, "Not found",
-                        f"no job {job_id!r}; job ids come from POST /v1/jobs")
+                        f"no job {job_id!r}: job ids come from POST /v1/jobs, and a finished "
+                        "job left unused is dropped in time (submit the request again)")
 
 
 @router.post(
@@ -32,7 +38,7 @@ def _not_found(job_id: str) -> ProblemError:
     response_model=Job,
     responses={
         200: {"model": Job, "description": "The same request succeeded before: its job"},
-        **problem_responses(400, 401, 413, 415, 422, 500),
+        **problem_responses(400, 401, 413, 415, 422, 500, 503),
     },
     summary="Submit a solve as a background job",
     response_description="The job, queued or running",
@@ -45,11 +51,37 @@ async def submit_job(request: Request, response: Response, settings: SettingsDep
     body = await parse_body(SolveRequest, await request.body())
     check_graph_size(body.graph, settings)
     options = cap_time_limit(body.options, settings.job_time_limit_s)
-    job = await front.submit_job(body.graph, body.budget_bytes, options)
+    job = await front.submit_job(body.graph, body.budget_bytes, options,
+                                 owner=request.state.owner)
     response.headers["Location"] = f"/v1/jobs/{job.id}"
     if job.status == JobStatus.SUCCEEDED:
         response.status_code = 200
     return job
+
+
+@router.get(
+    "",
+    response_model=JobPage,
+    responses=problem_responses(401, 422, 500, 503),
+    summary="The jobs, newest first",
+)
+async def list_jobs(
+    request: Request,
+    front: FrontDep,
+    limit: Annotated[int, Query(ge=1, le=MAX_PAGE, description="Jobs on a page at most.")] = 20,
+    cursor: Annotated[str | None, Query(description="``next_cursor`` of the page before.")]
+    = None,
+    status: Annotated[JobStatus | None, Query(description="Only jobs with this status.")]
+    = None,
+) -> JobPage:
+    """With API keys configured, the jobs this key submitted (a job submitted with two
+    keys is listed for both); without, every job. Follow ``next_cursor`` for the next
+    page."""
+    try:
+        return await front.list_jobs(request.state.owner, status, limit, cursor)
+    except ValueError as exc:
+        raise ProblemError(422, "Invalid request", f"cursor: {exc}",
+                           type=INVALID_REQUEST) from exc
 
 
 @router.get(
