@@ -4,6 +4,7 @@ and a module graph without cycles in which the two executors never meet."""
 from __future__ import annotations
 
 import ast
+import asyncio
 import sqlite3
 import time
 from collections.abc import Iterator
@@ -13,6 +14,9 @@ from typing import Any
 import pytest
 
 from optiremat.service.core import tasks
+from optiremat.service.core.errors import Unavailable
+from optiremat.service.core.limits import MemoryRateLimiter
+from optiremat.service.core.metrics import Metrics
 from optiremat.service.core.models import JobStatus
 from optiremat.service.core.outcome import (
     BudgetRange,
@@ -27,12 +31,13 @@ from optiremat.service.core.outcome import (
     reusable,
     settled,
 )
-from optiremat.service.core.redis_store import RedisStore
+from optiremat.service.core.redis_store import RedisRateLimiter, RedisStore
+from optiremat.service.core.rq_executor import RQExecutor
 from optiremat.service.core.store import SqliteStore
 from optiremat.service.core.tasks import BudgetRangeTask, SolveTask
 from optiremat.solver.solution import SolveOptions
 from tests.cluster_harness import RedisServer
-from tests.service_harness import REPO
+from tests.service_harness import REPO, chain
 
 OUTCOMES: list[Outcome] = [
     Solved(solution_json='{"status": "optimal", "b": [1, 2]}'),
@@ -258,3 +263,53 @@ def test_redis_lists_a_keys_jobs_newest_first_a_page_at_a_time(
     store.redis.delete(store.run_key(runs[2].key))  # gone from Redis: gone from the index
     assert runs[2].key not in keys("alpha")
     assert store.redis.zscore(store.jobs_key("alpha"), runs[2].key) is None
+
+
+# ---- rate limits and the queue's bound ------------------------------------------------
+
+
+def test_a_client_may_send_a_minutes_worth_at_once_then_one_an_interval() -> None:
+    now = [0.0]
+    limiter = MemoryRateLimiter(per_minute=6, clock=lambda: now[0])  # one each 10 s
+
+    def wait(client: str = "a") -> float:
+        return asyncio.run(limiter.wait_s(client))
+
+    assert [wait() for _ in range(6)] == [0.0] * 6
+    assert wait() == pytest.approx(10.0)  # the seventh: one interval to go
+    assert wait("b") == 0.0  # every client has its own
+    now[0] += 10.0
+    assert wait() == 0.0 and wait() == pytest.approx(10.0)
+    now[0] += 60.0  # a quiet minute gives the whole burst back
+    assert [wait() for _ in range(6)] == [0.0] * 6
+
+
+def test_redis_counts_every_replicas_requests_against_one_limit(
+        redis_server: RedisServer) -> None:
+    replicas = [RedisRateLimiter(redis_server.client(), per_minute=4) for _ in range(2)]
+
+    async def burst() -> list[float]:
+        return [await replicas[i % 2].wait_s("key k") for i in range(5)]
+
+    waits = asyncio.run(burst())
+    assert waits[:4] == [0.0] * 4 and waits[4] == pytest.approx(15.0, abs=0.5)
+    assert asyncio.run(replicas[0].wait_s("key other")) == 0.0
+
+
+def test_past_its_bound_the_queue_refuses_new_runs_but_not_joins(
+        redis_server: RedisServer) -> None:
+    async def scenario() -> None:
+        store = RedisStore(redis_server.client(), ttl_s=3600)
+        store.redis.flushall()
+        executor = RQExecutor(store, heartbeat_s=1, metrics=Metrics(), max_queued=2)
+        graph = chain(3, name="queued")
+        tasks = [SolveTask(graph_hash=graph.content_hash, budget_bytes=b,
+                           options=SolveOptions()) for b in (1, 2, 3)]
+        for task in tasks[:2]:  # no worker: both wait in the queue
+            assert not await executor.ensure(task, graph, job=True)
+        with pytest.raises(Unavailable, match="OPTIREMAT_MAX_QUEUED_JOBS=2"):
+            await executor.ensure(tasks[2], graph, job=True)
+        assert await executor.ensure(tasks[0], graph, job=False)  # joins its run
+        assert store.get_job(tasks[2].key) is None  # the refused one left nothing behind
+
+    asyncio.run(scenario())

@@ -136,3 +136,56 @@ def test_a_bad_listing_query_is_a_422_naming_the_parameter(keyed: Server, params
     assert response.status_code == 422
     assert response.headers["content-type"] == "application/problem+json"
     assert all(word in response.json()["detail"] for word in words), response.json()
+
+
+# ---- rate limits and the queue's bound ------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def limited(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    yield from running_server(tmp_path_factory, workers="1", api_keys=",".join(KEYS.values()),
+                              rate_limit_per_minute="3")
+
+
+def test_over_its_rate_limit_a_key_gets_429_with_retry_after(limited: Server) -> None:
+    requests = [body(chain(3 + i, name=f"limited-{i}"), 10**9) for i in range(4)]
+    with limited.client() as client:
+        answers = [client.post("/v1/solve", json=r, headers=as_("alpha")) for r in requests]
+        assert [a.status_code for a in answers] == [200, 200, 200, 429]
+        problem = answers[3].json()
+        assert answers[3].headers["content-type"] == "application/problem+json"
+        assert problem["type"] == "urn:optiremat:problem:rate-limited"
+        assert "OPTIREMAT_RATE_LIMIT_PER_MINUTE" in problem["detail"]
+        assert 1 <= int(answers[3].headers["Retry-After"]) <= 20  # a third of a minute
+        # answers from the cache are not counted, nor are reads; other keys have their own
+        again = client.post("/v1/solve", json=requests[0], headers=as_("alpha"))
+        assert again.status_code == 200 and again.content == answers[0].content
+        assert client.get("/v1/jobs", headers=as_("alpha")).status_code == 200
+        assert client.post("/v1/jobs", json=requests[3], headers=as_("alpha")).status_code == 429
+        assert client.post("/v1/solve", json=requests[3], headers=as_("beta")).status_code == 200
+        assert metric(client, 'optiremat_rejected_requests_total{reason="rate_limit"}') == 2
+
+
+@pytest.fixture(scope="module")
+def short_queue(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    yield from running_server(tmp_path_factory, workers="1", max_queued_jobs="1")
+
+
+def test_past_its_bound_the_queue_answers_503_and_takes_work_again_after(
+        short_queue: Server) -> None:
+    blocker = body(tangled(20, 8, seed=6, name="blocker"), 10**6, tie=False, time_limit_s=600)
+    with short_queue.client() as client:
+        slow = client.post("/v1/jobs", json=blocker).json()["id"]
+        queued = client.post("/v1/jobs", json=body(chain(5, name="q1"), 10**9)).json()["id"]
+        refused = client.post("/v1/jobs", json=body(chain(5, name="q2"), 10**9))
+        assert refused.status_code == 503
+        assert refused.json()["type"] == "urn:optiremat:problem:queue-full"
+        assert "OPTIREMAT_MAX_QUEUED_JOBS=1" in refused.json()["detail"]
+        assert refused.headers["Retry-After"] == "10"
+        assert client.get("/v1/jobs", params={"status": "queued"}).json()["jobs"][0]["id"] == (
+            queued)  # the refused job left nothing behind
+        client.delete(f"/v1/jobs/{slow}")
+        assert finished(client, queued)["status"] == "succeeded"
+        again = client.post("/v1/jobs", json=body(chain(5, name="q2"), 10**9))
+        assert again.status_code in (200, 202), again.text
+        assert metric(client, 'optiremat_rejected_requests_total{reason="queue_full"}') == 1

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import math
 from typing import Annotated, Any, TypeVar
 
 from fastapi import Depends, Request
@@ -14,7 +15,8 @@ from optiremat.service.api.keys import ApiKeys
 from optiremat.service.api.problems import ProblemError
 from optiremat.service.core.config import Settings
 from optiremat.service.core.front import Front
-from optiremat.service.core.models import GRAPH_TOO_LARGE
+from optiremat.service.core.limits import RateLimiter
+from optiremat.service.core.models import GRAPH_TOO_LARGE, RATE_LIMITED
 from optiremat.solver.graph import CostGraph
 from optiremat.solver.solution import SolveOptions
 
@@ -71,6 +73,27 @@ async def require_metrics_key(
     """An API key for /metrics when ``OPTIREMAT_METRICS_REQUIRE_KEY`` is set."""
     if get_settings(request).metrics_require_key:
         await require_api_key(request, credentials)
+
+
+async def limit_rate(request: Request) -> None:
+    """Count a request that may start solver work against its client's rate limit: its
+    API key (by key id), or its address with keys off."""
+    limiter: RateLimiter | None = request.app.state.rate_limiter
+    if limiter is None:
+        return
+    owner = request.state.owner
+    address = request.client.host if request.client else "unknown"
+    client = f"key {owner}" if owner else f"address {address}"
+    wait_s = await limiter.wait_s(client)
+    if wait_s > 0:
+        request.app.state.metrics.rejected.labels(reason="rate_limit").inc()
+        retry_after = math.ceil(wait_s)
+        raise ProblemError(
+            429, "Too many requests",
+            f"this client ({client}) sent more than {get_settings(request).rate_limit_per_minute}"
+            " requests a minute that may start a solve (OPTIREMAT_RATE_LIMIT_PER_MINUTE; "
+            f"answers from the cache do not count); retry in {retry_after} s",
+            type=RATE_LIMITED, headers={"Retry-After": str(retry_after)})
 
 
 def check_graph_size(graph: CostGraph, settings: Settings) -> None:

@@ -15,6 +15,7 @@ from optiremat.service.api.problems import install_problem_handlers
 from optiremat.service.api.routes import frontier, health, jobs, solve
 from optiremat.service.core.config import Settings, redact_url
 from optiremat.service.core.front import Front
+from optiremat.service.core.limits import MemoryRateLimiter, RateLimiter
 from optiremat.service.core.metrics import Metrics
 from optiremat.service.core.runs import Executor
 from optiremat.service.core.tasks import solver_version
@@ -28,7 +29,8 @@ def create_app(settings: Settings | None = None) -> FastAPI:
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        app.state.front = front = Front(_executor(settings, metrics), metrics)
+        executor, app.state.rate_limiter = _open(settings, metrics)
+        app.state.front = front = Front(executor, metrics)
         await front.start()
         where = ({"redis": redact_url(settings.redis_url)} if settings.redis_url
                  else {"data_dir": str(settings.data_dir), "workers": settings.workers})
@@ -58,15 +60,20 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     return app
 
 
-def _executor(settings: Settings, metrics: Metrics) -> Executor:
-    """Cluster mode with a Redis URL, else the embedded default."""
+def _open(settings: Settings, metrics: Metrics) -> tuple[Executor, RateLimiter | None]:
+    """Cluster mode with a Redis URL, else the embedded default; and the rate limiter,
+    shared through Redis by every replica in cluster mode."""
+    per_minute = settings.rate_limit_per_minute
     if settings.redis_url:  # imports redis and rq only when used
+        from optiremat.service.core.redis_store import RedisRateLimiter
         from optiremat.service.core.rq_executor import RQExecutor
 
-        return RQExecutor.from_settings(settings, metrics)
+        cluster = RQExecutor.from_settings(settings, metrics)
+        return cluster, RedisRateLimiter(cluster.store.redis, per_minute) if per_minute else None
     from optiremat.service.core.pool_executor import PoolExecutor
 
-    return PoolExecutor.from_settings(settings, metrics)
+    embedded = PoolExecutor.from_settings(settings, metrics)
+    return embedded, MemoryRateLimiter(per_minute) if per_minute else None
 
 
 def _version() -> str:

@@ -87,6 +87,7 @@ def problem_responses(*codes: int) -> dict[int | str, dict[str, Any]]:
         413: "Body or graph over the configured limits",
         415: "Body is not JSON, or its Content-Encoding is not gzip",
         422: "Request fails validation, or the budget is infeasible",
+        429: "Over the client's rate limit; Retry-After says when to try again",
         500: "Internal error",
         503: "Unavailable for now (not ready, shutting down, the store down or full); "
              "Retry-After says when to try again",
@@ -139,7 +140,7 @@ async def _on_problem(request: Request, exc: ProblemError) -> Response:
 async def _on_unavailable(request: Request, exc: Unavailable) -> Response:
     return problem_response(
         503, exc.title, exc.detail, headers={"Retry-After": str(exc.retry_after_s)},
-        request_id=_request_id(request), instance=request.url.path,
+        type=exc.type, request_id=_request_id(request), instance=request.url.path,
     )
 
 

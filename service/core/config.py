@@ -43,6 +43,13 @@ class Settings(BaseSettings):
     job_time_limit_s: float = Field(default=3600.0, gt=0)
     workers: int = Field(default_factory=_default_workers, ge=1)
     log_level: str = "INFO"
+    # Requests a minute per API key (per client address with keys off) that may start
+    # solver work: POST /v1/solve not answered from the body memo, /v1/jobs, /v1/frontier.
+    # A client may send a minute's worth at once. 0 turns the limit off.
+    rate_limit_per_minute: int = Field(default=600, ge=0)
+    # Solves waiting for a worker, beyond which a new one is answered 503. Embedded,
+    # each holds its graph's JSON in memory: about 160 bytes a node.
+    max_queued_jobs: int = Field(default=100, ge=1)
 
     # ---- the store: SQLite under data_dir, or Redis in cluster mode ----
     # Embedded: the data directory's bound (SQLite file, WAL and all); least recently

@@ -46,6 +46,11 @@ class Metrics:
         self.busy_workers = Gauge(
             "optiremat_busy_workers", "Worker processes running a task", registry=r,
         )
+        self.rejected = Counter(
+            "optiremat_rejected_requests",
+            "Requests turned away: over a client's rate limit (rate_limit), or with the queue "
+            "at OPTIREMAT_MAX_QUEUED_JOBS (queue_full)", ["reason"], registry=r,
+        )
         self.store_bytes = Gauge(
             "optiremat_store_bytes",
             "Bytes the store takes: the SQLite files on disk, or Redis' used memory", registry=r,

@@ -21,6 +21,8 @@ INVALID_REQUEST = "urn:optiremat:problem:invalid-request"
 GRAPH_TOO_LARGE = "urn:optiremat:problem:graph-too-large"
 SOLVE_CANCELLED = "urn:optiremat:problem:solve-cancelled"
 SOLVE_FAILED = "urn:optiremat:problem:solve-failed"
+RATE_LIMITED = "urn:optiremat:problem:rate-limited"
+QUEUE_FULL = "urn:optiremat:problem:queue-full"
 
 
 class ValidationIssue(BaseModel):

@@ -101,6 +101,11 @@ class WorkerPool:
         return self._queue.qsize()
 
     @property
+    def running(self) -> int:
+        """Tasks a worker is on."""
+        return len(self._running)
+
+    @property
     def ready_workers(self) -> int:
         return sum(w.ready and w.process.is_alive() for w in self._workers)
 

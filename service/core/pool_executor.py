@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from optiremat.service.core.config import Settings
-from optiremat.service.core.errors import Unavailable
+from optiremat.service.core.errors import Unavailable, queue_full
 from optiremat.service.core.metrics import Metrics
 from optiremat.service.core.models import Progress, Readiness
 from optiremat.service.core.outcome import Cancelled, Failed, Interrupted, Outcome, settled
@@ -42,9 +42,12 @@ class _Run:
 
 
 class PoolExecutor:
-    def __init__(self, store: SqliteStore, pool: WorkerPool) -> None:
+    def __init__(self, store: SqliteStore, pool: WorkerPool, metrics: Metrics,
+                 max_queued: int) -> None:
         self.store = store
         self._pool = pool
+        self._metrics = metrics
+        self._max_queued = max_queued
         self._runs: dict[str, _Run] = {}
         self._drivers: set[asyncio.Task[None]] = set()
         self._maintainer: asyncio.Task[None] | None = None
@@ -61,7 +64,8 @@ class PoolExecutor:
                             on_evict=count)
         metrics.store_bytes.set_function(store.disk_bytes)
         metrics.store_max_bytes.set(settings.store_max_bytes)
-        return cls(store, WorkerPool(settings.workers, metrics))
+        return cls(store, WorkerPool(settings.workers, metrics), metrics,
+                   settings.max_queued_jobs)
 
     async def _io(self, fn: Callable[..., T], *args: Any) -> T:
         """A blocking store call in a thread; a store that fails is a 503."""
@@ -119,6 +123,8 @@ class PoolExecutor:
     # ---- runs ---------------------------------------------------------------
 
     async def ensure(self, task: Task, graph: CostGraph, *, job: bool) -> bool:
+        if task.key not in self._runs:
+            await self._check_queue(task)
         graph_json: str | None = None
         if job:
             assert task.kind == "solve"
@@ -128,6 +134,16 @@ class PoolExecutor:
             return True
         self._start(task, graph if graph_json is None else graph_json)
         return False
+
+    async def _check_queue(self, task: Task) -> None:
+        """A new run past the bound on waiting ones is refused, unless it is answered."""
+        queued = len(self._runs) - self._pool.running
+        if queued < self._max_queued:
+            return
+        if await self._io(self.store.get_answer, task.key) is not None:
+            return
+        self._metrics.rejected.labels(reason="queue_full").inc()
+        raise queue_full(queued, self._max_queued)
 
     def _start(self, task: Task, graph: CostGraph | str) -> None:
         run = _Run(task, asyncio.get_running_loop().create_future())

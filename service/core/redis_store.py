@@ -16,6 +16,8 @@ Keys (``PREFIX`` carries the layout's version):
   graph rather than once per budget;
 - ``{PREFIX}:cancel:{key}``: set to cancel; the worker solving ``key`` polls it;
 - ``{PREFIX}:graph_runs:{graph_hash}``: the unfinished runs that need the graph;
+- ``{PREFIX}:rate:{client}``: a client's rate-limit state (``RedisRateLimiter``),
+  gone once the client is back under its limit;
 - ``{PREFIX}:jobs`` and ``{PREFIX}:jobs:{owner}``: sorted sets of job keys by
   ``created_at``, all jobs and those of one API key's id, for ``GET /v1/jobs``;
   trimmed of what is older than ``ttl_s`` as they grow, and of what has gone from
@@ -36,6 +38,8 @@ whose hash its own solver would compute, and a rolling upgrade never mixes them.
 
 from __future__ import annotations
 
+import asyncio
+import logging
 import math
 import time
 import uuid
@@ -59,6 +63,7 @@ from rq.results import Result
 from rq.serializers import JSONSerializer
 
 from optiremat.service.core.errors import Unavailable
+from optiremat.service.core.limits import Gcra
 from optiremat.service.core.models import JobStatus, Progress
 from optiremat.service.core.outcome import (
     Answer,
@@ -73,6 +78,7 @@ from optiremat.service.core.outcome import (
 from optiremat.service.core.runs import JobRecord, Live, Position
 from optiremat.service.core.tasks import TASKS, SolveTask, Task, solver_version
 
+log = logging.getLogger("optiremat.service")
 # 2: one outcome codec for both stores, runs keyed by their task (1 had its own codec)
 PREFIX = "optiremat:v2"
 # The solver stops at its own time limit; the queue's job timeout leaves this much on
@@ -469,6 +475,42 @@ class RedisStore:
         if not written and answer:
             self.redis.set(self.answer_key(key), answer, ex=self.ttl_s, nx=True)
         return bool(written)
+
+
+# limits.Gcra.step on Redis' clock, so that every replica counts against one limit.
+# Times in microseconds; the key lives until its TAT has passed.
+_RATE = """
+local t = redis.call('TIME')
+local now = tonumber(t[1]) * 1000000 + tonumber(t[2])
+local tat = tonumber(redis.call('GET', KEYS[1]) or now)
+if tat < now then tat = now end
+local wait = tat - now - tonumber(ARGV[2])
+if wait > 0 then return wait end
+tat = tat + tonumber(ARGV[1])
+redis.call('SET', KEYS[1], tat, 'PX', math.ceil((tat - now) / 1000))
+return 0
+"""
+
+
+class RedisRateLimiter:
+    """``limits.RateLimiter`` shared by every API replica. Redis not answering lets the
+    request through: it will meet the same Redis and be answered 503."""
+
+    def __init__(self, redis: Redis, per_minute: int) -> None:
+        self._gcra = Gcra(per_minute)
+        self._script = redis.register_script(_RATE)
+
+    def _wait_s(self, client: str) -> float:
+        waited = self._script(keys=[f"{PREFIX}:rate:{client}"], args=[
+            round(self._gcra.interval_s * 1e6), round(self._gcra.tolerance_s * 1e6)])
+        return int(waited) / 1e6
+
+    async def wait_s(self, client: str) -> float:
+        try:
+            return await asyncio.to_thread(self._wait_s, client)
+        except RedisError as exc:
+            log.warning("rate limit not checked: Redis does not answer (%s)", exc)
+            return 0.0
 
 
 def _failure_reason(job: RQJob | None, retries: int) -> str:

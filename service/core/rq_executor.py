@@ -23,10 +23,10 @@ from redis.exceptions import RedisError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from optiremat.service.core.config import Settings
-from optiremat.service.core.errors import Unavailable
+from optiremat.service.core.errors import Unavailable, queue_full
 from optiremat.service.core.metrics import Metrics
 from optiremat.service.core.models import Readiness
-from optiremat.service.core.outcome import Outcome
+from optiremat.service.core.outcome import Outcome, reusable
 from optiremat.service.core.redis_store import RedisStore, Usage
 from optiremat.service.core.runs import Live
 from optiremat.service.core.tasks import Task
@@ -43,10 +43,12 @@ _REDIS_OUTAGE_S = 30.0
 
 
 class RQExecutor:
-    def __init__(self, store: RedisStore, heartbeat_s: int, metrics: Metrics) -> None:
+    def __init__(self, store: RedisStore, heartbeat_s: int, metrics: Metrics,
+                 max_queued: int) -> None:
         self.store = store
         self._heartbeat_s = heartbeat_s
         self._metrics = metrics
+        self._max_queued = max_queued
         self._reaper: asyncio.Task[None] | None = None
         self._dropped: tuple[int, int] | None = None  # Redis' evicted and expired keys
 
@@ -55,7 +57,7 @@ class RQExecutor:
         assert settings.redis_url
         redis = Redis.from_url(settings.redis_url, health_check_interval=30)
         store = RedisStore(redis, settings.store_ttl_s, settings.job_retries)
-        return cls(store, settings.worker_heartbeat_s, metrics)
+        return cls(store, settings.worker_heartbeat_s, metrics, settings.max_queued_jobs)
 
     def _unavailable(self, exc: RedisError) -> Unavailable:
         unavailable = self.store.unavailable(exc)
@@ -124,6 +126,7 @@ class RQExecutor:
     # ---- runs -------------------------------------------------------------------
 
     async def ensure(self, task: Task, graph: CostGraph, *, job: bool) -> bool:
+        await self._check_queue(task)
         if not await self._call(self.store.has_graph, task.graph_hash):
             graph_json = await asyncio.to_thread(graph.canonical_json)  # MBs: off the loop
             await self._call(self.store.put_graph, task.graph_hash, graph_json)
@@ -131,6 +134,20 @@ class RQExecutor:
         if started:
             log.info("queued %s %s", task.kind, task.key)
         return not started and record.outcome is None
+
+    async def _check_queue(self, task: Task) -> None:
+        """A run past the bound on queued ones is refused, unless it joins a run under
+        way or is answered already."""
+        queued = await self._call(lambda: self.store.queue.count)
+        if queued < self._max_queued:
+            return
+        run = await self._call(self.store.get_run, task.key)
+        if run is not None and reusable(run.outcome):
+            return
+        if await self._call(self.store.get_answer, task.key) is not None:
+            return
+        self._metrics.rejected.labels(reason="queue_full").inc()
+        raise queue_full(queued, self._max_queued)
 
     async def wait(self, key: str, timeout_s: float | None = None) -> Outcome | None:
         now = time.monotonic()

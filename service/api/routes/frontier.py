@@ -9,6 +9,7 @@ from optiremat.service.api.deps import (
     SettingsDep,
     cap_time_limit,
     check_graph_size,
+    limit_rate,
     parse_body,
     request_body,
     require_api_key,
@@ -23,9 +24,10 @@ router = APIRouter(prefix="/v1", tags=["frontier"], dependencies=[Depends(requir
 @router.post(
     "/frontier",
     response_model=Frontier,
-    responses=problem_responses(400, 401, 409, 413, 415, 422, 500, 503),
+    responses=problem_responses(400, 401, 409, 413, 415, 422, 429, 500, 503),
     summary="Sweep budgets and return the trade-off curve",
     openapi_extra=request_body(FrontierRequest),
+    dependencies=[Depends(limit_rate)],
 )
 async def frontier(request: Request, settings: SettingsDep, front: FrontDep) -> Frontier:
     """Solve once per budget (each cached like ``/v1/solve``, with the same time-limit

@@ -12,6 +12,7 @@ from optiremat.service.api.deps import (
     SettingsDep,
     cap_time_limit,
     check_graph_size,
+    limit_rate,
     parse_body,
     request_body,
     require_api_key,
@@ -38,9 +39,10 @@ def _not_found(job_id: str) -> ProblemError:
     response_model=Job,
     responses={
         200: {"model": Job, "description": "The same request succeeded before: its job"},
-        **problem_responses(400, 401, 413, 415, 422, 500, 503),
+        **problem_responses(400, 401, 413, 415, 422, 429, 500, 503),
     },
     summary="Submit a solve as a background job",
+    dependencies=[Depends(limit_rate)],
     response_description="The job, queued or running",
     openapi_extra=request_body(SolveRequest),
 )

@@ -12,6 +12,7 @@ from optiremat.service.api.deps import (
     SettingsDep,
     cap_time_limit,
     check_graph_size,
+    limit_rate,
     parse_body,
     request_body,
     require_api_key,
@@ -27,7 +28,7 @@ router = APIRouter(prefix="/v1", tags=["solve"], dependencies=[Depends(require_a
 @router.post(
     "/solve",
     response_model=Solution,
-    responses=problem_responses(400, 401, 409, 413, 415, 422, 500, 503),
+    responses=problem_responses(400, 401, 409, 413, 415, 422, 429, 500, 503),
     summary="Solve one graph for one budget, synchronously",
     openapi_extra=request_body(SolveRequest),
 )
@@ -44,6 +45,7 @@ async def solve(request: Request, settings: SettingsDep, front: FrontDep) -> Res
     body_digest = hashlib.sha256(raw).digest()
     outcome = await front.stored_answer(body_digest)
     if outcome is None:
+        await limit_rate(request)  # answers from the store above are not counted
         body = await parse_body(SolveRequest, raw)
         check_graph_size(body.graph, settings)
         options = cap_time_limit(body.options, settings.sync_time_limit_s)
