@@ -92,6 +92,14 @@ def test_redis_is_bounded_and_evicts_only_what_expires() -> None:
     assert limit.endswith("Gi") and int(limit[:-2]) << 30 > max_bytes  # room for the fork
 
 
+def test_api_pods_outlast_their_shutdown_grace() -> None:
+    settings = resources("ConfigMap")["optiremat"]["data"]
+    api = resources("Deployment")["optiremat-api"]["spec"]["template"]["spec"]
+    assert api["terminationGracePeriodSeconds"] > float(settings["OPTIREMAT_SHUTDOWN_GRACE_S"])
+    assert float(settings["OPTIREMAT_SHUTDOWN_GRACE_S"]) > float(
+        settings["OPTIREMAT_SYNC_TIME_LIMIT_S"])  # an open synchronous solve can finish
+
+
 def test_workers_outlast_the_longest_solve_on_shutdown() -> None:
     settings = resources("ConfigMap")["optiremat"]["data"]
     longest = float(settings["OPTIREMAT_JOB_TIME_LIMIT_S"]) + JOB_TIMEOUT_MARGIN_S

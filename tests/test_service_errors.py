@@ -173,5 +173,11 @@ def test_the_error_log_line_carries_the_request_id(server: Server) -> None:
     with server.client() as client:
         rid = client.post("/v1/solve", content=b"{",
                           headers={"Content-Type": "application/json"}).headers["X-Request-ID"]
-    lines = [json.loads(x) for x in server.log().splitlines() if rid in x]
-    assert len(lines) == 1 and lines[0]["status"] == 400
+
+    def lines() -> list[dict[str, Any]]:
+        return [json.loads(x) for x in server.log().splitlines() if rid in x]
+
+    deadline = time.monotonic() + 5  # the line is written once the answer has gone out
+    while not lines() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert len(lines()) == 1 and lines()[0]["status"] == 400

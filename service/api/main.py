@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import asyncio
 import logging
+import math
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from types import FrameType
 
 from fastapi import FastAPI
 
@@ -87,12 +90,24 @@ def serve(settings: Settings) -> None:
     from optiremat.service.core.logs import configure_logging
 
     configure_logging(settings.log_level)
-    uvicorn.run(
-        create_app(settings),
+    app = create_app(settings)
+
+    class Server(uvicorn.Server):
+        def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+            # A signal handler: reach the front through the loop, not from here.
+            front: Front | None = getattr(app.state, "front", None)
+            if front is not None and not self.should_exit:
+                asyncio.get_running_loop().call_soon_threadsafe(front.drain,
+                                                                settings.shutdown_grace_s)
+            super().handle_exit(sig, frame)
+
+    config = uvicorn.Config(
+        app,
         host=settings.host,
         port=settings.port,
         log_config=None,
         access_log=False,
-        # Sync solves hold requests open; do not wait the full time limit at shutdown.
-        timeout_graceful_shutdown=5,
+        # SIGTERM: uvicorn stops accepting at once and answers what is open within this
+        timeout_graceful_shutdown=math.ceil(settings.shutdown_grace_s),
     )
+    Server(config).run()

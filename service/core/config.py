@@ -41,6 +41,10 @@ class Settings(BaseSettings):
     sync_time_limit_s: float = Field(default=30.0, gt=0)
     # Jobs run in the background but still hold a worker: cap them too.
     job_time_limit_s: float = Field(default=3600.0, gt=0)
+    # On SIGTERM: stop accepting, then wait this long for open requests to be answered.
+    # The default lets a synchronous solve started just before finish: the 30 s time
+    # limit plus 5 s for loading the graph and checking the plan.
+    shutdown_grace_s: float = Field(default=35.0, ge=0)
     workers: int = Field(default_factory=_default_workers, ge=1)
     log_level: str = "INFO"
     # Requests a minute per API key (per client address with keys off) that may start

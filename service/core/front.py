@@ -55,6 +55,9 @@ from optiremat.solver.solution import InfeasibleBudgetError, Solution, SolveOpti
 log = logging.getLogger("optiremat.service")
 T = TypeVar("T")
 BODY_MEMO_SIZE = 4096  # body digests remembered; 100 bytes each
+# When stopping, waiting requests are answered this long before the grace ends: time
+# for the answers to go out before the server cuts what is still open.
+_ANSWER_BEFORE_S = 1.0
 
 
 class BodyMemo:
@@ -134,6 +137,7 @@ class Front:
         self._flights: dict[str, asyncio.Future[Outcome]] = {}
         self._tasks: set[asyncio.Task[None]] = set()
         self._body_keys = BodyMemo()
+        self._draining = False
 
     async def _read(self, fn: Callable[..., T], *args: Any) -> T:
         """A blocking store call in a thread; the store being down is a 503."""
@@ -158,14 +162,27 @@ class Front:
     async def stop(self) -> None:
         """Stop the executor; whoever still waits here is told the server stopped."""
         await self._executor.stop()
-        for future in self._flights.values():
-            if not future.done():
-                future.set_result(Interrupted())
+        self._interrupt_waiters()
         for task in self._tasks:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
 
+    def drain(self, grace_s: float) -> None:
+        """The server is stopping (SIGTERM) and answers what is open within ``grace_s``:
+        not ready from now on, and whoever still waits on a solve when the grace is
+        nearly over is answered that the server stopped (503), not cut off."""
+        self._draining = True
+        asyncio.get_running_loop().call_later(max(0.0, grace_s - _ANSWER_BEFORE_S),
+                                              self._interrupt_waiters)
+
+    def _interrupt_waiters(self) -> None:
+        for future in self._flights.values():
+            if not future.done():
+                future.set_result(Interrupted())
+
     async def readiness(self) -> Readiness:
+        if self._draining:
+            raise Unavailable("Not ready", "the server is shutting down")
         return await self._executor.readiness()
 
     # ---- answers --------------------------------------------------------------
