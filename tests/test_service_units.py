@@ -19,6 +19,8 @@ from starlette.routing import Route
 from optiremat.service.api.keys import ApiKeys, key_id
 from optiremat.service.api.middleware import BodyDecodingMiddleware
 from optiremat.service.core.config import Settings
+from optiremat.service.core.errors import Unavailable
+from optiremat.service.core.keeper import StoreKeeper
 from optiremat.service.core.models import FrontierPoint, Progress
 from optiremat.service.core.outcome import BudgetRange, Cancelled, Failed, Infeasible, Solved
 from optiremat.service.core.store import Evicted, SqliteStore
@@ -224,3 +226,32 @@ def test_entries_unused_for_the_ttl_expire(tmp_path: Path) -> None:
         assert store.get_answer("read") is not None  # a read counts as a use
     assert store.maintain(now=later + 1000) == Evicted(expired=1)
     assert store.get_answer("old") is None and store.get_answer("read") is not None
+
+
+def test_an_outcome_the_store_refused_is_held_then_recorded_once_it_takes_writes(
+        tmp_path: Path) -> None:
+    store = SqliteStore(tmp_path / "db.sqlite3")
+    keeper = StoreKeeper(store)
+    task = SolveTask(graph_hash="g", budget_bytes=1, options=SolveOptions())
+    store.put_job("j", task, "{}")
+    # The database may not grow: SQLite answers as it does on a full disk.
+    pages = store._db.execute("PRAGMA page_count").fetchone()[0]
+    store._db.execute(f"PRAGMA max_page_count={pages}")
+    answer = plan(0, size=200_000)
+    asyncio.run(keeper.record("j", answer, Progress(elapsed_s=2.0)))
+    assert keeper.fault is not None and "full" in keeper.fault
+    assert keeper.unrecorded("j") == answer  # held, for job views meanwhile
+    job = store.get_job("j")
+    assert job is not None and job.outcome is None  # nothing half-written
+    assert store.get_answer("j") is None
+    with pytest.raises(Unavailable, match="cannot be written"):
+        keeper.refuse_new_work()
+    with pytest.raises(Unavailable):
+        asyncio.run(keeper.retry())  # still full
+
+    store._db.execute("PRAGMA max_page_count=1073741823")  # space returns
+    asyncio.run(keeper.retry())
+    assert keeper.fault is None and keeper.unrecorded("j") is None
+    keeper.refuse_new_work()
+    job = store.get_job("j")
+    assert job is not None and job.outcome == answer and store.get_answer("j") == answer

@@ -23,6 +23,7 @@ SOLVE_CANCELLED = "urn:optiremat:problem:solve-cancelled"
 SOLVE_FAILED = "urn:optiremat:problem:solve-failed"
 RATE_LIMITED = "urn:optiremat:problem:rate-limited"
 QUEUE_FULL = "urn:optiremat:problem:queue-full"
+STORE_UNAVAILABLE = "urn:optiremat:problem:store-unavailable"
 
 
 class ValidationIssue(BaseModel):

@@ -3,12 +3,14 @@
 A run is a pool task and a driver coroutine that awaits it and records the
 outcome (the answer, and the job's end if it is a job) before it lets go of the
 run, the way an RQ worker records what it ran in cluster mode. Jobs left
-unfinished by a previous server process are run again at start.
+unfinished by a previous server process are run again at start. Writes go
+through the ``StoreKeeper``, which holds what a full disk refused.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -16,6 +18,7 @@ from typing import Any, TypeVar
 
 from optiremat.service.core.config import Settings
 from optiremat.service.core.errors import Unavailable, queue_full
+from optiremat.service.core.keeper import StoreKeeper
 from optiremat.service.core.metrics import Metrics
 from optiremat.service.core.models import Progress, Readiness
 from optiremat.service.core.outcome import Cancelled, Failed, Interrupted, Outcome, settled
@@ -27,9 +30,6 @@ from optiremat.solver.graph import CostGraph
 
 log = logging.getLogger("optiremat.service")
 T = TypeVar("T")
-# Writes bound the store's size as they happen; this only ages entries out, for which
-# a minute is fine-grained enough against a TTL of at least a minute.
-MAINTAIN_S = 60.0
 
 
 @dataclass(eq=False)
@@ -45,12 +45,13 @@ class PoolExecutor:
     def __init__(self, store: SqliteStore, pool: WorkerPool, metrics: Metrics,
                  max_queued: int) -> None:
         self.store = store
+        self._keeper = StoreKeeper(store)
         self._pool = pool
         self._metrics = metrics
         self._max_queued = max_queued
         self._runs: dict[str, _Run] = {}
         self._drivers: set[asyncio.Task[None]] = set()
-        self._maintainer: asyncio.Task[None] | None = None
+        self._keeping: asyncio.Task[None] | None = None
 
     @classmethod
     def from_settings(cls, settings: Settings, metrics: Metrics) -> PoolExecutor:
@@ -68,7 +69,7 @@ class PoolExecutor:
                    settings.max_queued_jobs)
 
     async def _io(self, fn: Callable[..., T], *args: Any) -> T:
-        """A blocking store call in a thread; a store that fails is a 503."""
+        """A blocking store read in a thread; a store that fails is a 503."""
         try:
             return await asyncio.to_thread(fn, *args)
         except Exception as exc:
@@ -84,36 +85,31 @@ class PoolExecutor:
         await self._pool.start()
         for key, task, graph_json in await self._io(self.store.unfinished_jobs):
             if task.key != key:
-                await self._io(self.store.record, key, Failed(
+                await self._keeper.record(key, Failed(
                     message="the solver was upgraded since this job was submitted; "
-                            "submit the request again"))
+                            "submit the request again"), None)
                 continue
             self._start(task, graph_json)
             log.info("requeued job %s", key)
-        self._maintainer = asyncio.create_task(self._maintain_forever())
+        self._keeping = asyncio.create_task(self._keeper.keep())
 
     async def stop(self) -> None:
-        if self._maintainer is not None:
-            self._maintainer.cancel()
-            await asyncio.gather(self._maintainer, return_exceptions=True)
+        if self._keeping is not None:
+            self._keeping.cancel()
+            await asyncio.gather(self._keeping, return_exceptions=True)
         await self._pool.stop()
         await asyncio.gather(*self._drivers, return_exceptions=True)
+        await self._keeper.flush()
         self.store.close()
-
-    async def _maintain_forever(self) -> None:
-        """The store's TTL and last uses between the writes that bound its size."""
-        while True:
-            await asyncio.sleep(MAINTAIN_S)
-            try:
-                await asyncio.to_thread(self.store.maintain)
-            except Exception:  # keep maintaining whatever one round hit
-                log.exception("store maintenance failed")
 
     async def readiness(self) -> Readiness:
         try:
             await asyncio.to_thread(self.store.ping)
         except Exception as exc:
             raise Unavailable("Not ready", f"the result store does not answer: {exc}") from exc
+        if self._keeper.fault is not None:
+            raise Unavailable("Not ready",
+                              f"the result store cannot be written: {self._keeper.fault}")
         pool = self._pool
         if pool.ready_workers < pool.size:
             raise Unavailable("Not ready",
@@ -124,12 +120,13 @@ class PoolExecutor:
 
     async def ensure(self, task: Task, graph: CostGraph, *, job: bool) -> bool:
         if task.key not in self._runs:
+            self._keeper.refuse_new_work()
             await self._check_queue(task)
         graph_json: str | None = None
         if job:
             assert task.kind == "solve"
             graph_json = await asyncio.to_thread(graph.canonical_json)  # MBs: off the loop
-            await self._io(self.store.put_job, task.key, task, graph_json)
+            await self._keeper.write(self.store.put_job, task.key, task, graph_json)
         if task.key in self._runs:
             return True
         self._start(task, graph if graph_json is None else graph_json)
@@ -152,13 +149,11 @@ class PoolExecutor:
         self._drivers.add(driver)
         driver.add_done_callback(self._drivers.discard)
 
-    def _in_background(self, write: Callable[..., None], *args: Any) -> None:
-        """A store write nobody waits for (a failure is logged)."""
+    def _mark_running(self, key: str) -> None:
+        """A store write nobody waits for: a job's status for listings."""
         async def attempt() -> None:
-            try:
-                await asyncio.to_thread(write, *args)
-            except Exception:
-                log.exception("store write %s failed", write.__name__)
+            with contextlib.suppress(Unavailable):  # the store in fault: noted by the keeper
+                await self._keeper.write(self.store.mark_running, key)
 
         task = asyncio.create_task(attempt())
         self._drivers.add(task)
@@ -171,10 +166,7 @@ class PoolExecutor:
             log.exception("run %s failed", run.task.key)
             outcome = Failed(message=f"internal error: {type(exc).__name__}: {exc}")
         if not isinstance(outcome, Interrupted):  # else left unfinished: it runs again
-            try:
-                await self._io(self.store.record, run.task.key, outcome, run.progress)
-            except Exception:
-                log.exception("cannot record how run %s ended", run.task.key)
+            await self._keeper.record(run.task.key, outcome, run.progress)
         run.future.set_result(outcome)
         del self._runs[run.task.key]
 
@@ -190,13 +182,14 @@ class PoolExecutor:
         # task (and the check above) or a task it can cancel.
         run.pool_task = PoolTask(run.task, graph_json,
                                  on_progress=lambda report: setattr(run, "progress", report),
-                                 on_start=lambda: self._in_background(
-                                     self.store.mark_running, run.task.key))
+                                 on_start=lambda: self._mark_running(run.task.key))
         return settled(await self._pool.submit(run.pool_task))
 
     async def wait(self, key: str, timeout_s: float | None = None) -> Outcome | None:
         run = self._runs.get(key)
         if run is None:  # ended already: as recorded
+            if (held := self._keeper.unrecorded(key)) is not None:
+                return held
             record = await self._io(self.store.get_job, key)
             if record is not None and record.outcome is not None:
                 return record.outcome
@@ -208,8 +201,8 @@ class PoolExecutor:
 
     async def live(self, key: str) -> Live:
         run = self._runs.get(key)
-        if run is None:
-            return Live(None)
+        if run is None:  # ended, and recorded or held by the keeper
+            return Live(self._keeper.unrecorded(key))
         return Live(None, running=run.pool_task is not None and run.pool_task.running,
                     progress=run.progress)
 

@@ -64,7 +64,7 @@ from rq.serializers import JSONSerializer
 
 from optiremat.service.core.errors import Unavailable
 from optiremat.service.core.limits import Gcra
-from optiremat.service.core.models import JobStatus, Progress
+from optiremat.service.core.models import STORE_UNAVAILABLE, JobStatus, Progress
 from optiremat.service.core.outcome import (
     Answer,
     Cancelled,
@@ -217,7 +217,8 @@ class RedisStore:
         if not isinstance(exc, RedisError):
             return None
         return Unavailable("Store unavailable",
-                           f"Redis does not answer ({type(exc).__name__}: {exc}); retry shortly")
+                           f"Redis does not answer ({type(exc).__name__}: {exc}); retry shortly",
+                           type=STORE_UNAVAILABLE)
 
     # ---- reads ------------------------------------------------------------------
 

@@ -55,7 +55,10 @@ class RQExecutor:
     @classmethod
     def from_settings(cls, settings: Settings, metrics: Metrics) -> RQExecutor:
         assert settings.redis_url
-        redis = Redis.from_url(settings.redis_url, health_check_interval=30)
+        # Requests wait on these calls: a Redis that does not answer must turn into a
+        # 503 in seconds, not hang them (nothing the API sends to Redis blocks).
+        redis = Redis.from_url(settings.redis_url, health_check_interval=30,
+                               socket_connect_timeout=5, socket_timeout=10)
         store = RedisStore(redis, settings.store_ttl_s, settings.job_retries)
         return cls(store, settings.worker_heartbeat_s, metrics, settings.max_queued_jobs)
 

@@ -35,7 +35,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from optiremat.service.core.errors import Unavailable
-from optiremat.service.core.models import JobStatus, Progress
+from optiremat.service.core.models import STORE_UNAVAILABLE, JobStatus, Progress
 from optiremat.service.core.outcome import Answer, Outcome, decode, encode, is_answer
 from optiremat.service.core.runs import JobRecord, Position, job_status
 from optiremat.service.core.tasks import SolveTask
@@ -85,6 +85,9 @@ _UNFINISHED = (JobStatus.QUEUED, JobStatus.RUNNING)
 # the next eviction instead of evicting on every write.
 LOW_WATER = 0.9
 _EVICT_BATCH = 256
+# Free space a store in fault wants before it is called writable again: a few answers
+# and the WAL's growth, not the few kB a full disk may have left.
+PROBE_FREE_BYTES = 1 << 20
 
 
 _JOB_COLUMNS = "key, task, outcome, progress, created_at, updated_at, status"
@@ -162,7 +165,8 @@ class SqliteStore:
         if not isinstance(exc, sqlite3.OperationalError):
             return None
         return Unavailable("Store unavailable",
-                           f"the result store ({self.path}) failed: {exc}; retry shortly")
+                           f"the result store ({self.path}) failed: {exc}; retry shortly",
+                           type=STORE_UNAVAILABLE)
 
     def close(self) -> None:
         with self._lock:
@@ -171,6 +175,21 @@ class SqliteStore:
     def ping(self) -> None:
         with self._lock:
             self._db.execute("SELECT 1").fetchone()
+
+    def probe(self) -> None:
+        """Raises ``sqlite3.OperationalError`` unless writes can go through: the file
+        system writable with ``PROBE_FREE_BYTES`` free, and a write of nothing (the
+        schema version again) committed. A small write alone would prove little: it
+        may fit in the WAL's space already allocated on a disk still full."""
+        stat = os.statvfs(self.path.parent)
+        if stat.f_flag & os.ST_RDONLY:
+            raise sqlite3.OperationalError("attempt to write a readonly database")
+        free = stat.f_bavail * stat.f_frsize
+        if free < PROBE_FREE_BYTES:
+            raise sqlite3.OperationalError(
+                f"database or disk is full ({free} bytes free, {PROBE_FREE_BYTES} wanted)")
+        with self._transaction() as db:
+            db.execute(f"PRAGMA user_version={_SCHEMA_VERSION}")
 
     # ---- answers ------------------------------------------------------------
 
