@@ -8,6 +8,7 @@ what goes back is ``Ready`` once, then ``Progress`` reports and each task's
 
 from __future__ import annotations
 
+import os
 import signal
 import threading
 from dataclasses import dataclass
@@ -15,6 +16,8 @@ from multiprocessing.connection import Connection
 from multiprocessing.synchronize import Event
 
 from optiremat.service.core.tasks import run_task
+
+WORKER_NICENESS = 10
 
 
 @dataclass(frozen=True)
@@ -26,6 +29,9 @@ def worker_main(conn: Connection, cancel: Event) -> None:
     """Serve ``(task, graph_json)`` from ``conn`` until it closes or sends ``None``."""
     # Ctrl-C in a terminal reaches the whole process group; the parent decides when we stop.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    # The API shares the machine: on a busy one the scheduler serves it before the
+    # solves, so that answers from the store stay quick while the workers solve.
+    os.nice(WORKER_NICENESS)
     import optiremat.solver.solve  # noqa: F401  (warm the import before the first task)
 
     send_lock = threading.Lock()
