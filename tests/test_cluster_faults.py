@@ -79,4 +79,7 @@ def test_a_solve_that_ends_while_redis_is_down_is_recorded_once_it_is_back(
         wait_for(succeeded, timeout_s=60, what="the job recorded")
     assert cluster.solves_of(job_id) == 1  # recorded, not solved again
     assert worker.process is not None and worker.process.poll() is None
-    assert "worker loop ended: Redis does not answer" in cluster.worker_log()  # and came back
+    # RQ's loop met the outage (a heartbeat mid-solve): the process started a new one
+    wait_for(lambda: "worker loop ended: Redis does not answer" in cluster.worker_log()
+             and cluster.worker_log().count('"msg": "worker started"') >= 2,
+             timeout_s=60, what="a new worker after the outage")
