@@ -41,6 +41,7 @@ import httpx
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
+from bench.service import percentile  # noqa: E402
 from optiremat.solver.graph import CostGraph  # noqa: E402
 from optiremat.solver.solve import max_useful_budget, min_feasible_budget  # noqa: E402
 from tests.service_harness import Server, chain, layered, metric, tangled  # noqa: E402
@@ -224,11 +225,6 @@ def children(pid: int) -> list[int]:
 def memory(pid: int) -> tuple[int, dict[int, int]]:
     """(the API's RSS, {worker pid: RSS}) in KiB."""
     return rss_kib(pid), {child: rss_kib(child) for child in children(pid)}
-
-
-def percentile(samples: list[float], q: float) -> float:
-    ordered = sorted(samples)
-    return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
 
 
 def growth(before: int, after: int) -> str:

@@ -17,7 +17,6 @@ import asyncio
 import base64
 import contextlib
 import json
-import logging
 from collections import OrderedDict
 from collections.abc import Callable, Coroutine
 from dataclasses import replace
@@ -46,13 +45,12 @@ from optiremat.service.core.outcome import (
     Solved,
     reusable,
 )
-from optiremat.service.core.runs import Executor, JobRecord, Position, job_status
+from optiremat.service.core.runs import Executor, JobRecord, Position, in_thread, job_status
 from optiremat.service.core.tasks import BudgetRangeTask, SolveTask, Task
 from optiremat.solver.frontier import SweepResult, mark_pareto, point_fields, spaced_budgets
 from optiremat.solver.graph import CostGraph
 from optiremat.solver.solution import InfeasibleBudgetError, Solution, SolveOptions
 
-log = logging.getLogger("optiremat.service")
 T = TypeVar("T")
 BODY_MEMO_SIZE = 4096  # body digests remembered; 100 bytes each
 # When stopping, waiting requests are answered this long before the grace ends: time
@@ -140,14 +138,7 @@ class Front:
         self._draining = False
 
     async def _read(self, fn: Callable[..., T], *args: Any) -> T:
-        """A blocking store call in a thread; the store being down is a 503."""
-        try:
-            return await asyncio.to_thread(fn, *args)
-        except Exception as exc:
-            unavailable = self._store.unavailable(exc)
-            if unavailable is None:
-                raise
-            raise unavailable from exc
+        return await in_thread(self._store, fn, *args)
 
     def _spawn(self, coro: Coroutine[Any, Any, None]) -> None:
         task = asyncio.create_task(coro)

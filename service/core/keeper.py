@@ -23,6 +23,7 @@ from typing import Any, TypeVar
 from optiremat.service.core.errors import Unavailable
 from optiremat.service.core.models import STORE_UNAVAILABLE, Progress
 from optiremat.service.core.outcome import Outcome
+from optiremat.service.core.runs import in_thread
 from optiremat.service.core.store import SqliteStore
 
 log = logging.getLogger("optiremat.service")
@@ -50,15 +51,14 @@ class StoreKeeper:
     async def write(self, fn: Callable[..., T], *args: Any) -> T:
         """A store write in a thread: all of it or, raising ``Unavailable``, none."""
         try:
-            done = await asyncio.to_thread(fn, *args)
-        except Exception as exc:
-            if self.store.unavailable(exc) is None:
-                raise
+            done = await in_thread(self.store, fn, *args)
+        except Unavailable as exc:
+            cause = exc.__cause__
             if self.fault is None:
-                log.error("the store cannot be written: %s", exc)
+                log.error("the store cannot be written: %s", cause)
                 self._wake.set()
-            self.fault = str(exc)
-            raise self._unavailable() from exc
+            self.fault = str(cause)
+            raise self._unavailable() from cause
         if self.fault is not None:
             log.info("the store takes writes again")
             self.fault = None

@@ -23,7 +23,7 @@ from optiremat.service.core.metrics import Metrics
 from optiremat.service.core.models import Progress, Readiness
 from optiremat.service.core.outcome import Cancelled, Failed, Interrupted, Outcome, settled
 from optiremat.service.core.pool import PoolTask, WorkerPool
-from optiremat.service.core.runs import Live
+from optiremat.service.core.runs import Live, in_thread
 from optiremat.service.core.store import Evicted, SqliteStore
 from optiremat.service.core.tasks import Task
 from optiremat.solver.graph import CostGraph
@@ -69,14 +69,8 @@ class PoolExecutor:
                    settings.max_queued_jobs)
 
     async def _io(self, fn: Callable[..., T], *args: Any) -> T:
-        """A blocking store read in a thread; a store that fails is a 503."""
-        try:
-            return await asyncio.to_thread(fn, *args)
-        except Exception as exc:
-            unavailable = self.store.unavailable(exc)
-            if unavailable is None:
-                raise
-            raise unavailable from exc
+        """A store read (writes go through the keeper)."""
+        return await in_thread(self.store, fn, *args)
 
     # ---- lifecycle ----------------------------------------------------------
 

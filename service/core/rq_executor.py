@@ -28,7 +28,7 @@ from optiremat.service.core.metrics import Metrics
 from optiremat.service.core.models import Readiness
 from optiremat.service.core.outcome import Outcome, reusable
 from optiremat.service.core.redis_store import RedisStore, Usage
-from optiremat.service.core.runs import Live
+from optiremat.service.core.runs import Live, in_thread
 from optiremat.service.core.tasks import Task
 from optiremat.solver.graph import CostGraph
 
@@ -68,11 +68,7 @@ class RQExecutor:
         return unavailable
 
     async def _call(self, fn: Callable[..., T], *args: Any) -> T:
-        """A blocking store call in a thread; Redis being down is a 503."""
-        try:
-            return await asyncio.to_thread(fn, *args)
-        except RedisError as exc:
-            raise self._unavailable(exc) from exc
+        return await in_thread(self.store, fn, *args)
 
     # ---- lifecycle ------------------------------------------------------------
 

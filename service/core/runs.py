@@ -10,14 +10,18 @@ record them themselves. Whoever runs a solve records its outcome; the front
 
 from __future__ import annotations
 
+import asyncio
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol, TypeVar
 
 from optiremat.service.core.errors import Unavailable
 from optiremat.service.core.models import JobStatus, Progress, Readiness
 from optiremat.service.core.outcome import Answer, Outcome
 from optiremat.service.core.tasks import SolveTask, Task
 from optiremat.solver.graph import CostGraph
+
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -84,6 +88,18 @@ class Store(Protocol):
 
     def unavailable(self, exc: Exception) -> Unavailable | None:
         """``exc`` as a 503 when it means the store is down or full, else None."""
+
+
+async def in_thread(store: Store, fn: Callable[..., T], *args: Any) -> T:
+    """A blocking call on ``store`` in a thread: the event loop never waits on a disk or
+    a socket, and the store being down or full is an ``Unavailable`` (a 503)."""
+    try:
+        return await asyncio.to_thread(fn, *args)
+    except Exception as exc:
+        unavailable = store.unavailable(exc)
+        if unavailable is None:
+            raise
+        raise unavailable from exc
 
 
 class Executor(Protocol):
