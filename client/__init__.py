@@ -6,14 +6,16 @@ the service) never import it.
 
 from optiremat.client.budget import BudgetError, MemoryBudget, memory_budget
 from optiremat.client.errors import ConnectionFailed, ProblemError, RemoteError
-from optiremat.client.extract import ExtractionError, extract_graph
+from optiremat.client.extract import ExtractionError, extract_graph, extract_step
 from optiremat.client.frontier import Frontier, sweep
 from optiremat.client.keys import policy_key
+from optiremat.client.placement import PlacementError
 from optiremat.client.plan import NamesForm, Plan, PlanError, Verification, optimize
 from optiremat.client.planfile import PlanFile, load_plan
 from optiremat.client.plot import plot_frontier
 from optiremat.client.policy import KeyPolicy
 from optiremat.client.remote import RematClient
+from optiremat.client.step import StepError, measured_peak
 
 __all__ = [
     "BudgetError",
@@ -25,13 +27,17 @@ __all__ = [
     "NamesForm",
     "Plan",
     "PlanError",
+    "PlacementError",
     "PlanFile",
     "ProblemError",
     "RematClient",
     "RemoteError",
+    "StepError",
     "Verification",
     "extract_graph",
+    "extract_step",
     "load_plan",
+    "measured_peak",
     "memory_budget",
     "optimize",
     "plot_frontier",

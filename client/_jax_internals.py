@@ -30,14 +30,23 @@ if not (SUPPORTED_JAX[0] <= _installed < SUPPORTED_JAX[1]):
     )
 
 # ruff: noqa: E402
-from jax._src import (
-    core,  # noqa: F401  (re-exported)
+# The modules that define the primitives client.primitives names (re-exported).
+from jax._src import (  # noqa: F401
+    ad_util,
+    core,
+    custom_derivatives,
+    dispatch,
+    pjit,
     source_info_util,
 )
-from jax._src.ad_checkpoint import name_p, saved_residuals  # noqa: F401
+from jax._src.ad_checkpoint import name_p, remat_p, saved_residuals  # noqa: F401
 from jax._src.interpreters import ad
 from jax._src.interpreters import partial_eval as pe
 from jax._src.interpreters.partial_eval import Offloadable, Recompute, Saveable  # noqa: F401
+from jax._src.lax import convolution, slicing, special, windowed_reductions  # noqa: F401
+from jax._src.lax import lax as lax_ops  # noqa: F401
+from jax._src.lax.control_flow import conditionals, loops  # noqa: F401
+from jax._src.random import prng  # noqa: F401
 
 Jaxpr = core.Jaxpr
 ClosedJaxpr = core.ClosedJaxpr
@@ -76,3 +85,13 @@ def new_name_eqn(src: core.Var, name: str, like: core.JaxprEqn) -> tuple[core.Va
 
 def eval_jaxpr(jaxpr: core.Jaxpr, consts: list, *args):
     return core.eval_jaxpr(jaxpr, consts, *args)
+
+
+def bind_equation(eqn: core.JaxprEqn, invals: list) -> list:
+    """Re-emit one equation on ``invals``, as ``core.eval_jaxpr`` does."""
+    params = eqn.primitive.get_bind_params(eqn.params)
+    name_stack = source_info_util.current_name_stack() + eqn.source_info.name_stack
+    with (source_info_util.user_context(eqn.source_info.traceback, name_stack=name_stack),
+          eqn.ctx.manager):
+        out = eqn.primitive.bind(*invals, **params)
+    return list(out) if eqn.primitive.multiple_results else [out]

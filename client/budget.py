@@ -1,6 +1,15 @@
 """``budget="auto"``: the device's memory minus what the training step holds anyway.
 
-The residual budget is::
+A peak budget (``memory="peak"``, the default) is the device's memory less
+headroom and the optimizer state: the step's arguments, gradients and
+temporaries are what the peak counts, so nothing else is subtracted::
+
+    device memory (memory_stats()["bytes_limit"], or device_memory=)
+    - headroom                 HEADROOM of it by default: fragmentation, other
+                               programs' buffers, the allocator's own
+    - optimizer state          ``optimizer_state=``: a pytree or a byte count
+
+A residual budget (``memory="residuals"``) is::
 
     device memory (memory_stats()["bytes_limit"], or device_memory=)
     - headroom                 HEADROOM of it by default: XLA's workspace,
@@ -32,15 +41,17 @@ import jax
 import numpy as np
 
 from optiremat.client.extract import Traced, graph_of_traced, trace
+from optiremat.client.step import Step
 from optiremat.solver.graph import CostGraph
 from optiremat.solver.semantics import evaluate
+from optiremat.solver.step import Memory
 from optiremat.solver.units import format_bytes, parse_bytes
 
 HEADROOM = 0.10  # fraction of device memory left for XLA's workspace and temporaries
 
-# The keywords of optimize(..., budget="auto", ...) that configure the budget.
-AUTO_KEYWORDS = frozenset({"device_memory", "optimizer_state", "argnums", "donate_argnums",
-                           "headroom"})
+# The keywords of optimize(..., budget="auto", ...) that configure the budget (argnums
+# and donate_argnums, which the step takes as well, are passed on by optimize).
+AUTO_KEYWORDS = frozenset({"device_memory", "optimizer_state", "headroom"})
 
 
 class BudgetError(ValueError):
@@ -68,14 +79,24 @@ class MemoryBudget:
     def residual_budget(self) -> int:
         return self.device_bytes - self.held_bytes + self.input_residual_bytes
 
-    def describe(self) -> str:
-        rows = [
-            ("device memory", self.device_bytes), ("- headroom", self.headroom_bytes),
-            ("- arguments", self.argument_bytes), ("- gradients", self.gradient_bytes),
-            ("- optimizer state", self.optimizer_bytes), ("- updated copies", self.update_bytes),
-            ("+ arguments also residuals", self.input_residual_bytes),
-            ("= residual budget", self.residual_budget),
-        ]
+    @property
+    def peak_budget(self) -> int:
+        """The peak the training step may reach: what the device has for it."""
+        return self.device_bytes - self.headroom_bytes - self.optimizer_bytes
+
+    def describe(self, memory: str = "peak") -> str:
+        rows = [("device memory", self.device_bytes), ("- headroom", self.headroom_bytes)]
+        if memory == "peak":
+            rows += [("- optimizer state", self.optimizer_bytes),
+                     ("= peak budget", self.peak_budget)]
+        else:
+            rows += [
+                ("- arguments", self.argument_bytes), ("- gradients", self.gradient_bytes),
+                ("- optimizer state", self.optimizer_bytes),
+                ("- updated copies", self.update_bytes),
+                ("+ arguments also residuals", self.input_residual_bytes),
+                ("= residual budget", self.residual_budget),
+            ]
         return "\n".join(f"{name:<28}{format_bytes(n):>14}" for name, n in rows)
 
 
@@ -107,7 +128,8 @@ def memory_budget(fun: Any, *args: Any, device_memory: int | str | None = None,
                           donate_argnums=donate_argnums, headroom=headroom)
 
 
-def _memory_budget(traced: Traced, graph: CostGraph, *, device_memory: int | str | None = None,
+def _memory_budget(traced: Traced, graph: CostGraph | None, *,
+                   device_memory: int | str | None = None,
                    optimizer_state: Any = None, argnums: int | Sequence[int] = 0,
                    donate_argnums: Sequence[int] = (), headroom: float = HEADROOM
                    ) -> MemoryBudget:
@@ -137,21 +159,26 @@ def _memory_budget(traced: Traced, graph: CostGraph, *, device_memory: int | str
         gradient_bytes=gradient_bytes,
         optimizer_bytes=optimizer_bytes,
         update_bytes=updates,
-        input_residual_bytes=_always_read_argument_bytes(graph, len(traced.flat_args)),
+        input_residual_bytes=(0 if graph is None
+                              else _always_read_argument_bytes(graph, len(traced.flat_args))),
     )
-    if budget.residual_budget <= 0:
-        raise BudgetError("the training step leaves no memory for residuals:\n"
-                          + budget.describe())
     return budget
 
 
 def resolve_budget(budget: int | str, traced: Traced, graph: CostGraph | None,
-                   auto: dict[str, Any]) -> int:
+                   auto: dict[str, Any], step: Step, memory: Memory) -> int:
     """Bytes for ``budget``: ``"auto"`` sizes it with the ``auto`` keywords; else parsed."""
     if isinstance(budget, str) and budget.strip().lower() == "auto":
-        if graph is None:
+        if memory == Memory.RESIDUALS and graph is None:
             graph = graph_of_traced(traced).graph
-        return _memory_budget(traced, graph, **auto).residual_budget
+        sized = _memory_budget(traced, graph, argnums=step.argnums,
+                               donate_argnums=step.donate_argnums, **auto)
+        left = sized.peak_budget if memory == Memory.PEAK else sized.residual_budget
+        if left <= 0:
+            what = "the training step" if memory == Memory.PEAK else "residuals"
+            raise BudgetError(f"the device leaves no memory for {what}:\n"
+                              + sized.describe(memory))
+        return left
     if auto:
         raise TypeError(f"{', '.join(sorted(auto))} only apply to budget='auto'")
     return parse_bytes(budget)

@@ -15,9 +15,11 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from optiremat.solver.frontier import mark_pareto, point_fields, solve_budgets, spaced_budgets
 from optiremat.solver.graph import CostGraph
+from optiremat.solver.peak import BudgetView
 from optiremat.solver.semantics import baseline_backward_flops, evaluate
 from optiremat.solver.solution import SolveOptions, SolveStatus
 from optiremat.solver.solve import max_useful_budget, min_feasible_budget, resolve_options
+from optiremat.solver.step import Memory
 
 __all__ = [
     "DEFAULT_POINTS",
@@ -40,9 +42,15 @@ class FrontierPoint(BaseModel):
     budget_bytes: int
     status: SolveStatus
     residual_bytes: int | None = None
+    peak_bytes: int | None = None  # predicted peak of the training step (peak budgets)
     recompute_flops: int | None = None
     pareto: bool = False  # no other point has both fewer bytes and fewer FLOPs
     min_budget_bytes: int | None = None  # infeasible budgets: the smallest feasible one
+
+    @property
+    def memory_bytes(self) -> int | None:
+        """What the budget counts: the predicted peak, or the residual bytes."""
+        return self.peak_bytes if self.peak_bytes is not None else self.residual_bytes
 
 
 class Frontier(BaseModel):
@@ -56,9 +64,9 @@ class Frontier(BaseModel):
 
     @property
     def plans(self) -> list[FrontierPoint]:
-        """Points with a plan, by residual bytes."""
-        return sorted((p for p in self.points if p.residual_bytes is not None),
-                      key=lambda p: (p.residual_bytes, p.recompute_flops))
+        """Points with a plan, by the bytes their budget counts."""
+        return sorted((p for p in self.points if p.memory_bytes is not None),
+                      key=lambda p: (p.memory_bytes, p.recompute_flops))
 
 
 def sweep(graph: CostGraph, budgets: Sequence[int] | None = None,
@@ -73,7 +81,8 @@ def sweep(graph: CostGraph, budgets: Sequence[int] | None = None,
     if budgets is None:
         if count is None:
             raise ValueError("give budgets or count")
-        low, high = min_feasible_budget(graph, resolved.tie), max_useful_budget(graph)
+        low = min_feasible_budget(graph, resolved.tie, resolved.memory)
+        high = max_useful_budget(graph, resolved.memory)
         budgets = spaced_budgets(low, high, count) + [b for b in also if low <= b <= high]
     results = solve_budgets(graph, budgets, resolved)
     points = [FrontierPoint(**point_fields(budget, result)) for budget, result in results.items()]
@@ -87,10 +96,16 @@ def sweep(graph: CostGraph, budgets: Sequence[int] | None = None,
 
 @dataclass(frozen=True)
 class PolicyPoint:
-    """What one policy costs: residual bytes and recompute FLOPs over everything_saveable."""
+    """What one policy costs: residual bytes and recompute FLOPs over everything_saveable
+    (and the predicted peak, on a step's graph)."""
 
     residual_bytes: int
     recompute_flops: int
+    peak_bytes: int | None = None
+
+    @property
+    def memory_bytes(self) -> int:
+        return self.peak_bytes if self.peak_bytes is not None else self.residual_bytes
 
 
 def builtin_points(fun: Callable, *args: object) -> dict[str, PolicyPoint]:
@@ -120,10 +135,11 @@ def graph_builtin_points(graph: CostGraph) -> dict[str, PolicyPoint]:
     """The built-ins a graph alone determines (no function to measure): save every
     equation the policy is offered, or none."""
     base = baseline_backward_flops(graph)
-    everything = evaluate(graph, [bool(key) for key in graph.node_key])
-    nothing = evaluate(graph, [False] * graph.num_nodes)
-    return {
-        "everything_saveable": PolicyPoint(everything.residual_bytes,
-                                           everything.backward_flops - base),
-        "nothing_saveable": PolicyPoint(nothing.residual_bytes, nothing.backward_flops - base),
-    }
+    view = BudgetView.of(graph, None)
+    points = {}
+    for name, saves in (("everything_saveable", [bool(key) for key in graph.node_key]),
+                        ("nothing_saveable", [False] * graph.num_nodes)):
+        ev = evaluate(graph, saves)
+        peak = view.predicted(saves) if view.memory == Memory.PEAK else None
+        points[name] = PolicyPoint(ev.residual_bytes, ev.backward_flops - base, peak)
+    return points

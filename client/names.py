@@ -15,14 +15,7 @@ import jax
 
 from optiremat.client import _jax_internals as jx
 from optiremat.client.extract import NAME_PREFIX, Traced
-
-# Where JAX consults the policy inside a sub-jaxpr (while loops and custom
-# derivative rules it never does).
-_TAGGED_JAXPR_PARAMS = {
-    "jit": ("jaxpr",), "pjit": ("jaxpr",), "closed_call": ("call_jaxpr",),
-    "core_call": ("call_jaxpr",), "remat2": ("jaxpr",), "checkpoint": ("jaxpr",),
-    "scan": ("jaxpr",), "cond": ("branches",),
-}
+from optiremat.client.primitives import info
 
 
 class _Tagger:
@@ -50,7 +43,8 @@ class _Tagger:
         eqns = []
         for eqn in jaxpr.eqns:
             params = dict(eqn.params)
-            for key in _TAGGED_JAXPR_PARAMS.get(eqn.primitive.name, ()):
+            # Where JAX offers the policy inside (never a while loop, nor a custom rule).
+            for key in info(eqn.primitive).policy_jaxprs:
                 params[key] = self.sub(params[key])
             eqns.append(eqn.replace(invars=[read(x) for x in eqn.invars], params=params))
             if eqn.primitive is jx.name_p:

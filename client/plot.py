@@ -35,26 +35,29 @@ def plot_frontier(sweep: Frontier, path: str | Path, *,
 
     plans = sweep.plans
     builtins = dict(builtins or {})
-    largest = max([p.residual_bytes or 0 for p in plans]
-                  + [p.residual_bytes for p in builtins.values()] + [1])
+    largest = max([p.memory_bytes or 0 for p in plans]
+                  + [p.memory_bytes for p in builtins.values()] + [1])
+    peak = any(p.peak_bytes is not None for p in plans)
     unit, scale = _byte_unit(largest)
     if plans:
-        xs = [p.residual_bytes / scale for p in plans]
+        xs = [(p.memory_bytes or 0) / scale for p in plans]
         ys = [p.recompute_flops for p in plans]
         # A plan's FLOPs hold from its bytes up to the next plan's: a staircase.
         ax.step(xs, ys, where="post", color="tab:blue", linewidth=1.5, label="optiremat plans")
         pareto = [p for p in plans if p.pareto]
-        ax.plot([p.residual_bytes / scale for p in pareto], [p.recompute_flops for p in pareto],
+        ax.plot([(p.memory_bytes or 0) / scale for p in pareto],
+                [p.recompute_flops for p in pareto],
                 "o", color="tab:blue", markersize=5)
     if sweep.min_feasible_budget is not None:
         ax.axvspan(0, sweep.min_feasible_budget / scale, color="0.92", zorder=0,
                    label="below the smallest feasible budget")
     for name, point in builtins.items():
-        ax.plot(point.residual_bytes / scale, point.recompute_flops, _MARKERS.get(name, "x"),
+        ax.plot(point.memory_bytes / scale, point.recompute_flops, _MARKERS.get(name, "x"),
                 color="tab:red", markersize=7, linestyle="none", label=f"jax: {name}")
 
     ax.yaxis.set_major_formatter(FuncFormatter(lambda y, _: _si(y)))
-    ax.set_xlabel(f"residual memory ({unit})")
+    ax.set_xlabel(f"peak of the training step ({unit})" if peak
+                  else f"residual memory ({unit})")
     ax.set_ylabel("recompute FLOPs (beyond saving everything)")
     ax.set_xlim(left=0)
     ax.set_ylim(bottom=0)

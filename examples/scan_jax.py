@@ -1,9 +1,9 @@
-"""A deep residual stack written with ``lax.scan``, planned with optiremat.
+"""A deep residual stack written with ``lax.scan``, planned for its peak with optiremat.
 
 Run it: ``python examples/scan_jax.py``. From the command line::
 
     optiremat extract examples/scan_jax.py:loss --out loss.graph.json
-    optiremat solve loss.graph.json --budget 64KiB --out plan.json
+    optiremat solve loss.graph.json --budget 2MiB --out plan.json
     optiremat explain plan.json
 """
 
@@ -15,9 +15,8 @@ import numpy as np
 from jax import lax
 
 import optiremat
-from optiremat.solver.solve import max_useful_budget, min_feasible_budget
 
-LAYERS, WIDTH, BATCH = 16, 64, 32
+LAYERS, WIDTH, BATCH = 16, 64, 256
 
 
 def loss(params, x):
@@ -40,21 +39,21 @@ def example_args():
 
 def main() -> None:
     params, x = example_args()
-    graph = optiremat.extract_graph(loss, params, x)
-    low, high = min_feasible_budget(graph), max_useful_budget(graph)
-    budget = (low + high) // 2
-    plan = optiremat.optimize(loss, params, x, budget=budget)
-    check = plan.verify(loss, params, x)
-    print(f"budget {budget} B: plan keeps {plan.residual_bytes} B (JAX measures "
-          f"{check.measured_bytes} B), recomputes {plan.recompute_flops} FLOPs; "
-          f"saving everything keeps {high} B")
+    graph = optiremat.extract_step(loss, params, x)
+    low, high = optiremat.min_feasible_budget(graph), optiremat.max_useful_budget(graph)
+    plan = optiremat.optimize(loss, params, x, budget=(low + high) // 2)
+    check = plan.verify(loss, params, x, peak=True)
+    assert check.exact and check.within_budget
+    print(f"peak budget {plan.budget_bytes} B: planned {plan.peak_bytes} B, XLA measures "
+          f"{check.measured_peak_bytes} B; {plan.recompute_flops} recompute FLOPs; "
+          f"without remat {high} B")
 
-    grads = jax.grad(jax.checkpoint(loss, policy=plan.policy))(params, x)
+    grads = jax.jit(jax.grad(plan.apply(loss)))(params, x)
     reference = jax.grad(loss)(params, x)
     assert all(np.allclose(a, b, rtol=1e-5, atol=1e-6) for a, b in
                zip(jax.tree_util.tree_leaves(grads), jax.tree_util.tree_leaves(reference),
                    strict=True))
-    print("gradients match the unchecked function")
+    print("gradients match the function without remat")
 
 
 if __name__ == "__main__":

@@ -7,9 +7,7 @@ Nothing heavy is imported at module level (``optiremat.cli`` imports this for
 from __future__ import annotations
 
 import argparse
-import math
 import os
-import re
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -40,8 +38,12 @@ def add_commands(parser: argparse.ArgumentParser,
 
     extract = commands.add_parser(
         "extract", help="trace a JAX function and write its cost graph", formatter_class=raw,
-        description="Trace MODULE:FUNCTION as jax.checkpoint would under jax.grad and write "
-                    "its cost graph as JSON (the body the service's /v1/solve takes).\n\n"
+        description="Trace MODULE:FUNCTION and write its cost graph as JSON (the body the "
+                    "service's /v1/solve takes). By default the graph of the training step "
+                    "jax.jit(jax.grad(FUNCTION)) with a remat region in every lax.scan body, "
+                    "which plans peak budgets (one compile measures a layer's working set); "
+                    "with --memory residuals, the graph of one jax.checkpoint around FUNCTION."
+                    "\n\n"
                     "MODULE is a dotted module importable from the current directory, or a "
                     "path to a .py file. It defines FUNCTION and the arguments to trace it "
                     "with: 'example_args', a tuple or a function with no parameters that "
@@ -53,16 +55,22 @@ def add_commands(parser: argparse.ArgumentParser,
                               "(default: example_args)")
     extract.add_argument("-o", "--out", metavar="GRAPH.json",
                          help="where to write the graph (default: FUNCTION.graph.json)")
+    extract.add_argument("--memory", choices=("peak", "residuals"), default="peak",
+                         help="what budgets will mean: the step's peak (default) or the "
+                              "residual bytes of one checkpoint")
+    extract.add_argument("--argnums", type=int, nargs="+", default=[0], metavar="N",
+                         help="the arguments the step differentiates (default: 0)")
     extract.set_defaults(run=_reporting_errors(_extract))
 
     solve = commands.add_parser(
         "solve", help="solve a cost graph for a memory budget", formatter_class=raw,
-        description="Find the plan with the fewest recompute FLOPs whose residuals fit "
-                    "BUDGET, and write it (graph and solution together) as PLAN.json.",
+        description="Find the plan with the fewest recompute FLOPs that fits BUDGET (the "
+                    "peak of the training step for a step's graph, else residual bytes), and "
+                    "write it (graph and solution together) as PLAN.json.",
         epilog="example:\n  optiremat solve loss.graph.json --budget 8GiB --out plan.json")
     solve.add_argument("graph", metavar="GRAPH.json")
     solve.add_argument("--budget", required=True,
-                       help="residual memory: bytes, or with a unit (512MiB, 8GiB, 1.5GB)")
+                       help="bytes, or with a unit (512MiB, 8GiB, 1.5GB)")
     solve.add_argument("-o", "--out", metavar="PLAN.json",
                        help="where to write the plan (default: GRAPH with .plan.json)")
     _solver_options(solve)
@@ -159,11 +167,14 @@ def _read_graph(path: str):
 
 
 def _extract(args: argparse.Namespace) -> int:
-    from optiremat.client.extract import extract_graph
+    from optiremat.client.extract import extract_graph, extract_step
     from optiremat.client.target import load_target
 
     fun, fun_args = load_target(args.target, args.args)
-    graph = extract_graph(fun, *fun_args)
+    if args.memory == "peak":
+        graph = extract_step(fun, *fun_args, argnums=tuple(args.argnums))
+    else:
+        graph = extract_graph(fun, *fun_args)
     out = Path(args.out or f"{args.target.rpartition(':')[2]}.graph.json")
     out.write_text(graph.model_dump_json() + "\n")
     print(f"wrote {out}: {graph.num_nodes} nodes, {graph.num_values} values, "
@@ -186,9 +197,11 @@ def _solve(args: argparse.Namespace) -> int:
     out = Path(args.out or Path(args.graph).name.removesuffix(".json").removesuffix(".graph")
                + ".plan.json")
     PlanFile(graph=graph, solution=solution).write(out)
-    print(f"{solution.status}: {format_bytes(solution.residual_bytes)} of residuals within "
-          f"{format_bytes(budget)}, {solution.recompute_flops:,} recompute FLOPs "
-          f"(bound {solution.lower_bound_flops:,}); wrote {out}")
+    held = (f"a peak of {format_bytes(solution.peak_bytes)}" if solution.peak_bytes is not None
+            else f"{format_bytes(solution.residual_bytes)} of residuals")
+    print(f"{solution.status}: {held} within {format_bytes(budget)}, "
+          f"{solution.recompute_flops:,} recompute FLOPs (bound {solution.lower_bound_flops:,}); "
+          f"wrote {out}")
     return 0
 
 
@@ -212,17 +225,18 @@ def _frontier(args: argparse.Namespace) -> int:
             result = remote.frontier(graph, count=args.points, **_options(args))
     else:
         result = sweep(graph, count=args.points,
-                       also=[p.residual_bytes for p in builtins.values()], **_options(args))
+                       also=[p.memory_bytes for p in builtins.values()], **_options(args))
 
-    print(f"{'budget':>12} {'residuals':>12} {'recompute FLOPs':>16}  status")
+    peak = any(p.peak_bytes is not None for p in result.points)
+    print(f"{'budget':>12} {'peak' if peak else 'residuals':>12} {'recompute FLOPs':>16}  status")
     for p in result.points:
-        residual = "-" if p.residual_bytes is None else format_bytes(p.residual_bytes)
+        held = "-" if p.memory_bytes is None else format_bytes(p.memory_bytes)
         flops = "-" if p.recompute_flops is None else f"{p.recompute_flops:,}"
-        mark = "" if p.pareto else "  (dominated)" if p.residual_bytes is not None else ""
-        print(f"{format_bytes(p.budget_bytes):>12} {residual:>12} {flops:>16}  {p.status}{mark}")
+        mark = "" if p.pareto else "  (dominated)" if p.memory_bytes is not None else ""
+        print(f"{format_bytes(p.budget_bytes):>12} {held:>12} {flops:>16}  {p.status}{mark}")
     print("JAX built-in policies:")
     for name, point in builtins.items():
-        print(f"{name:>34} {format_bytes(point.residual_bytes):>12} "
+        print(f"{name:>34} {format_bytes(point.memory_bytes):>12} "
               f"{point.recompute_flops:>16,}")
     if args.plot:
         from optiremat.client.plot import plot_frontier
@@ -232,56 +246,9 @@ def _frontier(args: argparse.Namespace) -> int:
 
 
 def _explain(args: argparse.Namespace) -> int:
+    from optiremat.client.explain import explain_plan
     from optiremat.client.planfile import load_plan
 
     plan = load_plan(args.plan)
-    graph, sol = plan.graph, plan.solution
-    print(f"plan for {graph.name or 'graph'} {graph.content_hash[:12]}: {sol.status}, "
-          f"solved by {sol.solver} {sol.solver_version} in {sol.solve_seconds:.2f} s")
-    if not sol.node_decisions:
-        print("no plan: the solver stopped before it found one")
-        return 1
-    evaluation = plan.evaluation()
-    recomputed = [n for n in evaluation.active if graph.node_key[n]]
-    print(f"budget {format_bytes(sol.budget_bytes)}; residuals {format_bytes(sol.residual_bytes)} "
-          f"in {len(evaluation.residuals)} values; {sol.recompute_flops:,} recompute FLOPs "
-          f"over {len(recomputed)} equations (lower bound {sol.lower_bound_flops:,})")
-    if sol.offload is not None:
-        print(f"offloaded to host memory: {format_bytes(sol.host_bytes)}; estimated "
-              f"{sol.offload.estimated_seconds * 1e3:.3f} ms of recompute and transfers")
-
-    inputs = {graph.value_index[v] for v in graph.inputs}
-    rows = []
-    for v in evaluation.residuals:
-        node = graph.producer[v]
-        shape = _value_text(graph.value_dtype[v], graph.value_shape[v], graph.value_bytes[v])
-        if node is None:
-            rows.append((graph.value_bytes[v], "input", shape, None,
-                         "argument" if v in inputs else ""))
-        else:
-            offloaded = sol.node_decisions[node] == "offload"
-            rows.append((graph.value_bytes[v],
-                         graph.node_primitive[node] + (" (host)" if offloaded else ""), shape,
-                         graph.node_flops[node], graph.node_source[node]))
-    rows.sort(key=lambda r: (-r[0], r[4], r[1]))
-    shown = rows[:args.top] if args.top else rows
-    print()
-    print(f"{'bytes':>11} {'share':>6} {'FLOPs':>12}  {'op':<16} {'value':<22} source")
-    total = max(sol.residual_bytes + sol.host_bytes, 1)
-    for nbytes, op, shape, flops, source in shown:
-        print(f"{format_bytes(nbytes):>11} {nbytes / total:>6.1%} "
-              f"{'-' if flops is None else f'{flops:,}':>12}  {op:<16} {shape:<22} "
-              f"{source or '-'}")
-    if len(shown) < len(rows):
-        print(f"... and {len(rows) - len(shown)} smaller values")
-    return 0
-
-
-def _value_text(dtype: str, shape: list[int], nbytes: int) -> str:
-    """``float32[32,64]``, with ``x16`` when a scan stacks it sixteen times."""
-    text = f"{dtype}[{','.join(map(str, shape))}]"
-    bits = re.search(r"(\d+)$", dtype)
-    one = math.prod(shape) * (int(bits.group(1)) // 8 if bits else 1)
-    if one and nbytes > one and nbytes % one == 0:
-        text += f" x{nbytes // one}"
-    return text
+    print(explain_plan(plan.graph, plan.solution, top=args.top))
+    return 0 if plan.solution.node_decisions else 1

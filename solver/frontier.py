@@ -24,6 +24,7 @@ from optiremat.solver.solve import Sweep, solve
 class ParetoPoint(Protocol):
     status: SolveStatus
     residual_bytes: int | None
+    peak_bytes: int | None
     recompute_flops: int | None
     pareto: bool
 
@@ -75,15 +76,19 @@ def point_fields(budget: int, result: SweepResult) -> dict[str, Any]:
         return dict(budget_bytes=budget, status=SolveStatus.INFEASIBLE,
                     min_budget_bytes=result.min_budget_bytes)
     planned = result.status in (SolveStatus.OPTIMAL, SolveStatus.FEASIBLE)
-    return dict(budget_bytes=budget, status=result.status,
-                residual_bytes=result.residual_bytes if planned else None,
-                recompute_flops=result.recompute_flops if planned else None)
+    fields = dict(budget_bytes=budget, status=result.status,
+                  residual_bytes=result.residual_bytes if planned else None,
+                  recompute_flops=result.recompute_flops if planned else None)
+    if planned and result.peak_bytes is not None:
+        fields["peak_bytes"] = result.peak_bytes
+    return fields
 
 
 def mark_pareto(points: Sequence[ParetoPoint]) -> None:
-    """Set ``pareto`` on the plans no other plan beats in both bytes and FLOPs
-    (equal plans are all marked)."""
-    plans = [(p, (p.residual_bytes, p.recompute_flops)) for p in points
+    """Set ``pareto`` on the plans no other plan beats in both bytes (the peak of
+    peak plans, else residuals) and FLOPs (equal plans are all marked)."""
+    plans = [(p, (p.peak_bytes if p.peak_bytes is not None else p.residual_bytes,
+                  p.recompute_flops)) for p in points
              if p.status in (SolveStatus.OPTIMAL, SolveStatus.FEASIBLE)
              and p.residual_bytes is not None and p.recompute_flops is not None]
     for p, cost in plans:

@@ -30,7 +30,11 @@ from typing import Annotated
 
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, StrictStr, model_validator
 
-SCHEMA_VERSION = 1
+from optiremat.solver.step import StepMemory
+
+SCHEMA_VERSION = 2
+# Version 1 graphs (no step, no regions) are read unchanged: they plan residual budgets.
+READABLE_VERSIONS = (1, 2)
 
 NonNegInt = Annotated[StrictInt, Field(ge=0)]
 
@@ -81,6 +85,19 @@ class CostGraph(BaseModel):
     node_batch_dims: list[NonNegInt] | None = Field(
         default=None, exclude_if=lambda v: v is None
     )
+    # Version 2: the training step the graph plans for (a peak budget needs it,
+    # ``optiremat.solver.peak``) and, per node, the index of the region in
+    # ``step.regions`` it belongs to (-1: outside every region).
+    step: StepMemory | None = Field(default=None, exclude_if=lambda v: v is None)
+    node_region: list[Annotated[StrictInt, Field(ge=-1)]] | None = Field(
+        default=None, exclude_if=lambda v: v is None
+    )
+    # Version 2, peak budgets only: per value, the bytes it costs on the device as a
+    # residual beyond ``value_bytes`` (XLA on CPU widens stacked bf16 residuals to f32
+    # for the backward pass: about their size again, measured in bench/peak.py).
+    value_extra_bytes: list[NonNegInt] | None = Field(
+        default=None, exclude_if=lambda v: v is None
+    )
 
     @model_validator(mode="before")
     @classmethod
@@ -97,10 +114,10 @@ class CostGraph(BaseModel):
     def _known_schema_version(cls, data: object) -> object:
         if isinstance(data, dict):
             version = data.get("schema_version", SCHEMA_VERSION)
-            if version != SCHEMA_VERSION:
+            if version not in READABLE_VERSIONS:
                 raise GraphError(
-                    f"unknown schema_version {version!r}; this build reads version "
-                    f"{SCHEMA_VERSION}"
+                    f"unknown schema_version {version!r}; this build reads versions "
+                    f"{', '.join(map(str, READABLE_VERSIONS))}"
                 )
         return data
 
@@ -165,6 +182,8 @@ class GraphBuilder:
 
     def __init__(self, name: str = "") -> None:
         self.name = name
+        self.step: StepMemory | None = None
+        self.extra_bytes: list[int] = []
         self.values: list[tuple[int, list[int], str]] = []
         self.nodes: list[dict] = []
         self.inputs: list[int] = []
@@ -172,8 +191,10 @@ class GraphBuilder:
         self.carry_in: list[int] = []
         self.carry_out: list[int] = []
 
-    def value(self, nbytes: int, shape: tuple[int, ...] = (), dtype: str = "") -> int:
+    def value(self, nbytes: int, shape: tuple[int, ...] = (), dtype: str = "",
+              extra: int = 0) -> int:
         self.values.append((int(nbytes), [int(d) for d in shape], dtype))
+        self.extra_bytes.append(int(extra))
         return len(self.values) - 1
 
     def input(self, nbytes: int, shape: tuple[int, ...] = (), dtype: str = "") -> int:
@@ -193,6 +214,7 @@ class GraphBuilder:
         repeat: int = 1,
         source: str = "",
         batch_dims: int | None = None,
+        region: int | None = None,
     ) -> int:
         self.nodes.append(
             dict(
@@ -205,6 +227,7 @@ class GraphBuilder:
                 repeat=int(repeat),
                 source=source,
                 batch_dims=batch_dims,
+                region=region,
             )
         )
         return len(self.nodes) - 1
@@ -241,4 +264,10 @@ class GraphBuilder:
                 [n["batch_dims"] or 0 for n in self.nodes]
                 if any(n["batch_dims"] is not None for n in self.nodes) else None
             ),
+            step=self.step,
+            node_region=(
+                [-1 if n["region"] is None else n["region"] for n in self.nodes]
+                if self.step is not None else None
+            ),
+            value_extra_bytes=list(self.extra_bytes) if any(self.extra_bytes) else None,
         )

@@ -11,6 +11,7 @@ from pydantic import BaseModel, ConfigDict, Field, StrictInt
 
 from optiremat.solver.baselines import BaselineResult
 from optiremat.solver.offload import OffloadOptions, OffloadReport
+from optiremat.solver.step import Memory
 
 
 class SolveStatus(StrEnum):
@@ -53,6 +54,13 @@ class SolveOptions(BaseModel):
         default=None, exclude_if=lambda v: v is None,
         json_schema_extra=lambda schema: schema.pop("default", None),  # type: ignore[arg-type,misc]
     )
+    # What a budget means (``optiremat.solver.peak``): the peak bytes of the training
+    # step or the residual bytes of one checkpoint. Unset: peak when the graph
+    # carries its step, residuals otherwise.
+    memory: Memory | None = Field(
+        default=None, exclude_if=lambda v: v is None,
+        json_schema_extra=lambda schema: schema.pop("default", None),  # type: ignore[arg-type,misc]
+    )
 
 
 class Solution(BaseModel):
@@ -86,6 +94,9 @@ class Solution(BaseModel):
     # is then device bytes, and ``lower_bound_flops``/``gap`` are on the objective
     # in FLOP-equivalents (recompute FLOPs plus transfers priced in FLOPs).
     offload: OffloadReport | None = Field(default=None, exclude_if=lambda v: v is None)
+    # With a peak budget: the predicted peak bytes of the training step
+    # (``residual_bytes`` stays every residual, arguments included).
+    peak_bytes: StrictInt | None = Field(default=None, exclude_if=lambda v: v is None)
 
     @property
     def host_bytes(self) -> int:

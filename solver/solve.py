@@ -46,6 +46,7 @@ from optiremat.solver.baselines import compare, greedy_saves
 from optiremat.solver.formulation import Formulation, build
 from optiremat.solver.graph import CostGraph
 from optiremat.solver.lagrange import CutModel, bound_and_plans
+from optiremat.solver.peak import BudgetView, canonical_options
 from optiremat.solver.repeats import Compressed, compress
 from optiremat.solver.semantics import Evaluation, baseline_backward_flops, evaluate
 from optiremat.solver.solution import (
@@ -55,6 +56,7 @@ from optiremat.solver.solution import (
     SolveOptions,
     SolveStatus,
 )
+from optiremat.solver.step import Memory
 
 # progress(incumbent_flops, bound_flops, elapsed_s), FLOPs in recompute units.
 ProgressCallback = Callable[[int, int, float], None]
@@ -80,8 +82,10 @@ def solve(
     cancel: threading.Event | None = None,
     **overrides: Any,
 ) -> Solution:
-    """The plan with the fewest recompute FLOPs whose residual bytes fit ``budget_bytes``.
+    """The plan with the fewest recompute FLOPs that fits ``budget_bytes``.
 
+    The budget is the peak of the training step when the graph carries its
+    step, else the residual bytes (``options.memory`` chooses; ``solver.peak``).
     ``overrides`` are SolveOptions fields (``solve(g, b, tie=False)``). Setting
     ``cancel`` stops the search and returns the best plan found so far.
     Raises InfeasibleBudgetError, naming the smallest feasible budget, when no
@@ -91,9 +95,18 @@ def solve(
     options = resolve_options(options, overrides)
     if isinstance(budget_bytes, bool) or not isinstance(budget_bytes, int) or budget_bytes < 0:
         raise ValueError(f"budget_bytes must be a non-negative integer, got {budget_bytes!r}")
-    if options.offload is not None:  # a third choice: its own CP-SAT model (solver.offload_solve)
-        return _solve_offload(graph, budget_bytes, options, started, progress, cancel)
-    return _search(graph, options, started, progress, cancel).solve(budget_bytes)
+    options = canonical_options(graph, options)
+    view = BudgetView.of(graph, options.memory)
+
+    def search(g: CostGraph, budget: int) -> Solution:
+        if options.offload is not None:  # a third choice: its own CP-SAT model
+            return _solve_offload(g, budget, options, started, progress, cancel)
+        return _search(g, options, started, progress, cancel).solve(budget)
+
+    def least() -> int:
+        return _search(view.graph, options, started, None, cancel).min_budget()
+
+    return view.solve(graph, budget_bytes, search, least)
 
 
 def _solve_offload(
@@ -152,7 +165,7 @@ def solve_from(
     """``solve`` that starts from a plan (per node save flags), e.g. a neighbouring
     budget's answer in a sweep: when it fits, the search is hinted with it and
     cut off at its FLOPs, so the answer is never worse than ``start``."""
-    return _search(graph, options, time.monotonic(), None, cancel).solve(budget_bytes, start)
+    return Sweep(graph, options, cancel).solve(budget_bytes, start)
 
 
 class Sweep:
@@ -163,22 +176,29 @@ class Sweep:
     def __init__(
         self, graph: CostGraph, options: SolveOptions, cancel: threading.Event | None = None
     ) -> None:
-        self._search = _search(graph, options, time.monotonic(), None, cancel)
+        self._graph = graph
+        options = canonical_options(graph, options)
+        self._view = BudgetView.of(graph, options.memory)
+        self._search = _search(self._view.graph, options, time.monotonic(), None, cancel)
 
     def solve(self, budget_bytes: int, start: Sequence[bool] | None = None) -> Solution:
         self._search.restart_clock(time.monotonic())
-        return self._search.solve(budget_bytes, start)
+        return self._view.solve(self._graph, budget_bytes,
+                                lambda _, budget: self._search.solve(budget, start),
+                                self._search.min_budget)
 
 
-def min_feasible_budget(graph: CostGraph, tie: bool = True) -> int:
-    """The smallest residual bytes of any plan (tied by policy key when ``tie``)."""
+def min_feasible_budget(graph: CostGraph, tie: bool = True, memory: Memory | None = None) -> int:
+    """The smallest budget any plan fits (tied by policy key when ``tie``)."""
+    view = BudgetView.of(graph, memory)
     options = SolveOptions(tie=tie, backend=Backend.CPSAT)
-    return _search(graph, options, time.monotonic(), None, None).min_budget()
+    return view.budget(_search(view.graph, options, time.monotonic(), None, None).min_budget())
 
 
-def max_useful_budget(graph: CostGraph) -> int:
-    """Residual bytes of saving everything: no budget above this buys fewer FLOPs."""
-    return evaluate(graph, [True] * graph.num_nodes).residual_bytes
+def max_useful_budget(graph: CostGraph, memory: Memory | None = None) -> int:
+    """The budget of saving everything: no budget above this buys fewer FLOPs."""
+    view = BudgetView.of(graph, memory)
+    return view.budget(evaluate(view.graph, [True] * graph.num_nodes).residual_bytes)
 
 
 def resolve_options(options: SolveOptions | None, overrides: dict[str, Any]) -> SolveOptions:
@@ -251,7 +271,7 @@ class _Search:
     def solve(self, budget: int, start: Sequence[bool] | None = None) -> Solution:
         kind = self.options.backend
         plan: _Plan | None
-        full = max_useful_budget(self.graph)
+        full = max_useful_budget(self.graph, Memory.RESIDUALS)
         starts = [self._start_plan(budget, start)]
         cancelled = self.cancel is not None and self.cancel.is_set()
         self._cut_bound, self._cut_proved = None, False

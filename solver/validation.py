@@ -16,6 +16,8 @@ def _fail(msg: str) -> None:
 
 def _check_columns(g: CostGraph) -> None:
     nv, nn = len(g.value_id), len(g.node_id)
+    if g.value_extra_bytes is not None and len(g.value_extra_bytes) != nv:
+        _fail(f"value_extra_bytes has {len(g.value_extra_bytes)} entries, value_id has {nv}")
     for field in ("value_bytes", "value_shape", "value_dtype"):
         if len(getattr(g, field)) != nv:
             _fail(f"{field} has {len(getattr(g, field))} entries, value_id has {nv}")
@@ -25,6 +27,13 @@ def _check_columns(g: CostGraph) -> None:
             _fail(f"{field} has {len(getattr(g, field))} entries, node_id has {nn}")
     if g.node_batch_dims is not None and len(g.node_batch_dims) != nn:
         _fail(f"node_batch_dims has {len(g.node_batch_dims)} entries, node_id has {nn}")
+    if g.node_region is not None:
+        if len(g.node_region) != nn:
+            _fail(f"node_region has {len(g.node_region)} entries, node_id has {nn}")
+        regions = len(g.step.regions) if g.step is not None else 0
+        for n, r in enumerate(g.node_region):
+            if r >= regions:
+                _fail(f"node {g.node_id[n]} is in region {r}, but the step has {regions}")
     for ptr_name, ids_name in (("input_ptr", "input_ids"), ("output_ptr", "output_ids")):
         ptr, ids = getattr(g, ptr_name), getattr(g, ids_name)
         if len(ptr) != nn + 1 or (ptr and ptr[0] != 0) or (ptr and ptr[-1] != len(ids)):

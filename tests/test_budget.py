@@ -10,8 +10,10 @@ import optiremat
 from optiremat.client.budget import HEADROOM, BudgetError, device_memory_bytes
 from optiremat.client.measure import saved_residuals
 from tests.models import CORPUS
+from tests.peak_models import CORPUS as PEAK_CORPUS
 
 KiB = 1024
+MiB = 1024 * KiB
 
 
 def mlp():
@@ -45,12 +47,22 @@ def test_auto_with_device_memory_solves_for_what_is_left() -> None:
     assert budget.update_bytes == weight_bytes + 2 * weight_bytes  # nothing donated
     assert budget.residual_budget == (budget.device_bytes - budget.held_bytes
                                       + budget.input_residual_bytes)
-    assert "= residual budget" in budget.describe()
+    assert "= residual budget" in budget.describe("residuals")
 
-    plan = optiremat.optimize(fun, *args, budget="auto", **keywords)
+    plan = optiremat.optimize(fun, *args, budget="auto", memory="residuals", **keywords)
     assert plan.budget_bytes == budget.residual_budget
     check = plan.verify(fun, *args)
     assert check.exact and check.within_budget
+
+
+def test_auto_peak_budget_is_the_device_less_headroom_and_optimizer_state() -> None:
+    fun, args = PEAK_CORPUS[0].build()
+    keywords = dict(device_memory="256MiB", optimizer_state="64MiB")
+    budget = optiremat.memory_budget(fun, *args, **keywords)
+    assert budget.peak_budget == 256 * MiB - budget.headroom_bytes - 64 * MiB
+    assert "= peak budget" in budget.describe()
+    plan = optiremat.optimize(fun, *args, budget="auto", **keywords)
+    assert plan.budget_bytes == budget.peak_budget and plan.peak_bytes <= plan.budget_bytes
 
 
 def test_arguments_the_backward_pass_always_reads_are_not_counted_twice() -> None:
@@ -80,7 +92,10 @@ def test_donation_aliases_the_updated_parameters_and_optimizer_state() -> None:
 def test_too_little_memory_and_misused_keywords_are_clear_errors() -> None:
     fun, args = mlp()
     with pytest.raises(BudgetError, match="leaves no memory for residuals"):
-        optiremat.memory_budget(fun, *args, device_memory="1KiB")
+        optiremat.optimize(fun, *args, budget="auto", memory="residuals", device_memory="1KiB")
+    with pytest.raises(BudgetError, match="leaves no memory for the training step"):
+        optiremat.optimize(fun, *args, budget="auto", device_memory="1KiB",
+                           optimizer_state="1KiB")
     with pytest.raises(TypeError, match="only apply to budget='auto'"):
         optiremat.optimize(fun, *args, budget="1MiB", device_memory="1GiB")
     with pytest.raises(ValueError, match="takes 4 arguments"):

@@ -44,8 +44,10 @@ def workdir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def graph_file(workdir: Path) -> Path:
+    # A model without lax.scan, planned by residuals: one jax.checkpoint around it.
     out = workdir / "loss.graph.json"
-    assert main(["extract", f"{workdir / 'cli_model.py'}:loss", "--out", str(out)]) == 0
+    assert main(["extract", f"{workdir / 'cli_model.py'}:loss", "--out", str(out),
+                 "--memory", "residuals"]) == 0
     return out
 
 
@@ -69,9 +71,24 @@ def test_extract_writes_the_graph_of_the_function_and_its_example_args(
     # another arguments attribute, a tuple this time; the default output name
     small = workdir / "small.json"
     assert main(["extract", f"{workdir / 'cli_model.py'}:loss", "--args", "small_args",
-                 "-o", str(small)]) == 0
+                 "-o", str(small), "--memory", "residuals"]) == 0
     assert CostGraph.model_validate_json(small.read_bytes()).value_shape[0] == [2, 4]
     assert f"wrote {small}" in capsys.readouterr().out
+
+
+def test_a_step_graph_plans_the_peak_from_extract_to_explain(
+        workdir: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    graph_path, plan_path = workdir / "step.graph.json", workdir / "step.plan.json"
+    assert main(["extract", f"{REPO / 'examples' / 'scan_jax.py'}:loss", "-o",
+                 str(graph_path)]) == 0
+    graph = CostGraph.model_validate_json(graph_path.read_bytes())
+    assert graph.step is not None and len(graph.step.regions) == 1
+    budget = budget_between(graph)
+    assert main(["solve", str(graph_path), "--budget", str(budget), "-o", str(plan_path)]) == 0
+    assert "a peak of" in capsys.readouterr().out
+    assert main(["explain", str(plan_path)]) == 0
+    text = capsys.readouterr().out
+    assert "peak of the training step" in text and "per layer x 16 layers" in text
 
 
 def test_solve_writes_a_plan_whose_policy_jax_honours(

@@ -13,7 +13,7 @@ import jax.numpy as jnp
 import pytest
 from jax import lax
 
-import optiremat.client.extract
+import optiremat.client.extract.graphs
 import optiremat.client.plan
 from optiremat.client import (
     ExtractionError,
@@ -61,7 +61,7 @@ def test_policy_key_tells_shapes_dtypes_and_params_apart():
 
 def test_policy_is_immutable_hashable_and_picklable():
     fun, args = CORPUS["mlp"]
-    plan = optimize(fun, *args, budget=10_000)
+    plan = optimize(fun, *args, budget=10_000, memory="residuals")
     policy = plan.policy
     assert hash(policy) == hash(KeyPolicy(policy.saved_keys))
     assert pickle.loads(pickle.dumps(policy)) == policy
@@ -71,14 +71,14 @@ def test_policy_is_immutable_hashable_and_picklable():
 
 def test_same_request_same_plan():
     fun, args = CORPUS["scan_stack"]
-    a = optimize(fun, *args, budget="17KiB").solution
-    b = optimize(fun, *args, budget=17 * 1024).solution
+    a = optimize(fun, *args, budget="17KiB", memory="residuals").solution
+    b = optimize(fun, *args, budget=17 * 1024, memory="residuals").solution
     assert a.fingerprint() == b.fingerprint()
 
 
 def test_untied_plan_refuses_a_stateless_policy_and_checkpoints_by_names():
     fun, args = CORPUS["mlp"]
-    plan = optimize(fun, *args, budget=9_000, tie=False)
+    plan = optimize(fun, *args, budget=9_000, tie=False, memory="residuals")
     with pytest.raises(PlanError, match="one by one"):
         _ = plan.policy
     check = plan.verify()
@@ -88,7 +88,7 @@ def test_untied_plan_refuses_a_stateless_policy_and_checkpoints_by_names():
 
 def test_verify_reports_prediction_and_measurement():
     fun, args = CORPUS["transformer_block"]
-    plan = optimize(fun, *args, budget=15_000)
+    plan = optimize(fun, *args, budget=15_000, memory="residuals")
     check = plan.verify(fun, *args, flops=True)
     assert check.exact and check.within_budget
     assert check.measured_bytes == sum(r.bytes for r in check.residuals)
@@ -101,9 +101,9 @@ def test_infeasible_budget_names_the_smallest_feasible_one():
     fun, args = CORPUS["mlp"]
     floor = min_feasible_budget(extract_graph(fun, *args))
     with pytest.raises(InfeasibleBudgetError, match=str(floor)) as err:
-        optimize(fun, *args, budget=floor - 1)
+        optimize(fun, *args, budget=floor - 1, memory="residuals")
     assert err.value.min_budget_bytes == floor
-    assert optimize(fun, *args, budget=floor).residual_bytes <= floor
+    assert optimize(fun, *args, budget=floor, memory="residuals").residual_bytes <= floor
 
 
 def test_differentiated_while_carry_is_a_clear_error():
@@ -140,7 +140,7 @@ def test_version_parsing_for_the_supported_range():
     assert _version_tuple("0.11.0.dev20261101") == (0, 11, 0)
 
 
-@pytest.mark.parametrize("module", [optiremat.client.extract, optiremat.client.plan])
+@pytest.mark.parametrize("module", [optiremat.client.extract.graphs, optiremat.client.plan])
 def test_docstring_examples_run(module):
     result = doctest.testmod(module, optionflags=doctest.ELLIPSIS)
     assert result.attempted > 0 and result.failed == 0

@@ -5,6 +5,7 @@ resources, no JAX in the image)."""
 from __future__ import annotations
 
 import re
+import shutil
 import subprocess
 import sys
 import tomllib
@@ -64,9 +65,14 @@ def test_the_image_is_the_service_without_jax() -> None:
 def test_the_wheel_holds_one_package_with_every_module(tmp_path: Path) -> None:
     # An editable install finds any module on disk; the image installs a wheel, which
     # has only what setuptools finds, through optiremat/'s links to the three folders.
-    subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation",
-                    "--quiet", "--wheel-dir", tmp_path, REPO], check=True, timeout=300,
-                   capture_output=True)
+    leftover = not (REPO / "build").exists()  # setuptools builds in the source tree
+    try:
+        subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation",
+                        "--quiet", "--wheel-dir", tmp_path, REPO], check=True, timeout=300,
+                       capture_output=True)
+    finally:
+        if leftover:
+            shutil.rmtree(REPO / "build", ignore_errors=True)
     (wheel,) = tmp_path.glob("optiremat-*.whl")
     names = zipfile.ZipFile(wheel).namelist()
     assert {name.split("/")[0] for name in names} == {

@@ -66,7 +66,7 @@ def test_policy_form_is_exact(name):
     points = budgets(fun, args)
     assert len(points) >= 5 or points[0] == points[-1]
     for budget in points:
-        plan = optimize(fun, *args, budget=budget)
+        plan = optimize(fun, *args, budget=budget, memory="residuals")
         check = plan.verify(fun, *args, flops=True)
         assert check.measured_bytes == plan.residual_bytes, (budget, check.residuals)
         assert check.measured_bytes <= budget
@@ -78,7 +78,7 @@ def test_names_form_is_exact(name):
     fun, args = CORPUS[name]
     feasible = 0
     for budget in budgets(fun, args):
-        plan = optimize(fun, *args, budget=budget)
+        plan = optimize(fun, *args, budget=budget, memory="residuals")
         try:
             names = plan.names
         except InfeasibleBudgetError as err:
@@ -106,7 +106,7 @@ def test_never_worse_than_builtin_policies(name):
         checkpointed = jax.checkpoint(fun, policy=policy)
         bytes_, flops = residual_bytes(checkpointed, *args), backward_flops(checkpointed, *args)
         assert bytes_ >= floor
-        plan = optimize(fun, *args, budget=bytes_)
+        plan = optimize(fun, *args, budget=bytes_, memory="residuals")
         assert plan.recompute_flops <= flops - base
 
 
@@ -115,7 +115,7 @@ def test_same_gradients_as_without_checkpointing(name):
     fun, args = CORPUS[name]
     graph = extract_graph(fun, *args)
     budget = (min_feasible_budget(graph) + max_useful_budget(graph)) // 2
-    plan = optimize(fun, *args, budget=budget)
+    plan = optimize(fun, *args, budget=budget, memory="residuals")
     argnums = tuple(i for i, a in enumerate(args)
                     if all(jnp.issubdtype(x.dtype, jnp.inexact)
                            for x in jax.tree_util.tree_leaves(a)))
@@ -142,7 +142,7 @@ def test_xla_agrees_on_recompute_flops(name):
     plan's recompute FLOPs at the smallest budget."""
     fun, args = CORPUS[name]
     graph = extract_graph(fun, *args)
-    plan = optimize(fun, *args, budget=min_feasible_budget(graph))
+    plan = optimize(fun, *args, budget=min_feasible_budget(graph), memory="residuals")
     everything = jax.checkpoint(fun, policy=BUILTINS["everything_saveable"])
     xla_plan = xla_backward_flops(plan.checkpoint(fun), *args)
     xla_base = xla_backward_flops(everything, *args)

@@ -220,7 +220,7 @@ def _copies_to(jaxpr: jax_core.Jaxpr,
 
 def _smallest_device_budget(fun, args, **options) -> int:
     try:
-        optimize(fun, *args, budget=0, **options)
+        optimize(fun, *args, budget=0, **options, memory="residuals")
     except InfeasibleBudgetError as err:
         return err.min_budget_bytes
     return 0
@@ -231,7 +231,7 @@ def _smallest_device_budget(fun, args, **options) -> int:
 def test_the_policy_offloads_exactly_what_the_plan_offloads(name: str) -> None:
     fun, args = CORPUS[name]
     budget = _smallest_device_budget(fun, args, offload=CHEAP)
-    plan = optimize(fun, *args, budget=budget, offload=CHEAP)
+    plan = optimize(fun, *args, budget=budget, offload=CHEAP, memory="residuals")
     assert plan.offloaded_keys and plan.host_bytes > 0
 
     # The jaxpr JAX builds with the policy: one copy to host per offloaded value,
@@ -263,7 +263,7 @@ def test_the_policy_offloads_exactly_what_the_plan_offloads(name: str) -> None:
 def test_dear_transfers_give_a_policy_that_never_offloads() -> None:
     fun, args = CORPUS["mlp"]
     budget = _smallest_device_budget(fun, args, offload=CHEAP)
-    plan = optimize(fun, *args, budget=budget, offload=DEAR)
+    plan = optimize(fun, *args, budget=budget, offload=DEAR, memory="residuals")
     assert not plan.offloaded_keys and plan.host_bytes == 0
     jaxpr = jax.make_jaxpr(lambda *a: jax.vjp(plan.checkpoint(fun), *a)[1](1.0))(*args).jaxpr
     assert _copies_to(jaxpr, jax_core.MemorySpace.Host) == []
@@ -273,7 +273,7 @@ def test_dear_transfers_give_a_policy_that_never_offloads() -> None:
 def test_the_offloading_plan_runs_and_gives_the_same_gradient() -> None:
     fun, args = CORPUS["mlp"]
     budget = _smallest_device_budget(fun, args, offload=CHEAP)
-    plan = optimize(fun, *args, budget=budget, offload=CHEAP)
+    plan = optimize(fun, *args, budget=budget, offload=CHEAP, memory="residuals")
     assert plan.offloaded_keys
     got = jax.jit(jax.grad(plan.checkpoint(fun), argnums=(1, 2, 3)))(*args)
     want = jax.grad(fun, argnums=(1, 2, 3))(*args)
@@ -286,7 +286,7 @@ def test_untied_offload_goes_through_the_names_form(name: str) -> None:
     """``save_and_offload_only_these_names`` with the plan's names."""
     fun, args = CORPUS[name]
     budget = _smallest_device_budget(fun, args, tie=False, offload=CHEAP)
-    plan = optimize(fun, *args, budget=budget, tie=False, offload=CHEAP)
+    plan = optimize(fun, *args, budget=budget, tie=False, offload=CHEAP, memory="residuals")
     assert plan.names.offloaded and plan.names.host_bytes > 0
     with pytest.raises(PlanError, match="tie=False"):
         plan.policy  # noqa: B018
@@ -339,7 +339,7 @@ def test_the_option_flows_through_the_service(server: Server) -> None:
 def test_a_plan_file_keeps_the_offloads(tmp_path) -> None:
     fun, args = CORPUS["mlp"]
     budget = _smallest_device_budget(fun, args, offload=CHEAP)
-    plan = optimize(fun, *args, budget=budget, offload=CHEAP)
+    plan = optimize(fun, *args, budget=budget, offload=CHEAP, memory="residuals")
     loaded = load_plan(PlanFile.of(plan).write(tmp_path / "mlp.plan.json"))
     assert loaded.policy() == plan.policy and loaded.offloaded_keys == plan.offloaded_keys
     assert loaded.evaluation().residual_bytes == plan.residual_bytes + plan.host_bytes

@@ -24,10 +24,12 @@ from optiremat.solver.solution import InfeasibleBudgetError
 from optiremat.solver.solve import max_useful_budget, min_feasible_budget
 from tests.flaky_proxy import FlakyProxy
 from tests.models import CORPUS
+from tests.peak_models import CORPUS as PEAK_CORPUS
 from tests.service_harness import REPO, Server, running_server
 
 # Under the server's cap on synchronous solves, so both sides solve the same request.
-OPTIONS = {"time_limit_s": 20.0}
+# These plans are residual plans of the classic corpus; test_peak_plans_travel covers peaks.
+OPTIONS = {"time_limit_s": 20.0, "memory": "residuals"}
 
 
 @pytest.fixture(scope="module")
@@ -79,7 +81,7 @@ def test_an_infeasible_budget_raises_like_the_local_path_with_the_servers_messag
     fun, args = CORPUS["mlp"]
     floor = min_feasible_budget(optiremat.extract_graph(fun, *args))
     with pytest.raises(InfeasibleBudgetError) as caught:
-        remote.optimize(fun, *args, budget=floor - 1)
+        remote.optimize(fun, *args, budget=floor - 1, memory="residuals")
     err = caught.value
     assert isinstance(err, RemoteInfeasibleBudget) and isinstance(err, ProblemError)
     assert err.status == 422 and err.type == "urn:optiremat:problem:infeasible-budget"
@@ -178,6 +180,17 @@ def test_auto_budget_works_remotely_with_device_memory(remote: RematClient) -> N
     expected = optiremat.memory_budget(fun, *args, device_memory="40KiB", argnums=(1, 2, 3))
     assert plan.budget_bytes == expected.residual_budget
     assert plan.verify(fun, *args).within_budget
+
+
+def test_peak_plans_travel_and_come_back_the_same(remote: RematClient) -> None:
+    """The step's memory travels in the graph: the server plans the peak as we do."""
+    fun, args = PEAK_CORPUS[0].build()
+    budget = "80MiB"
+    local = optiremat.optimize(fun, *args, budget=budget, time_limit_s=20.0)
+    plan = remote.optimize(fun, *args, budget=budget, time_limit_s=20.0)
+    assert plan.memory == "peak" and plan.peak_bytes == local.peak_bytes
+    assert plan.solution.fingerprint() == local.solution.fingerprint()
+    assert plan.verify(fun, *args).exact
 
 
 WAIT_SCRIPT = textwrap.dedent("""

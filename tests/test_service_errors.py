@@ -60,8 +60,8 @@ def gzip_bomb() -> bytes:
 # (what, request, status, words the detail must contain)
 BAD_INPUTS = [
     ("malformed JSON", post_raw(b'{"graph": {"value_id": [0,'), 400, ["not valid JSON"]),
-    ("wrong schema_version", post_json({"graph": graph_json(schema_version=2),
-                                        "budget_bytes": 1}), 422, ["schema_version 2"]),
+    ("wrong schema_version", post_json({"graph": graph_json(schema_version=7),
+                                        "budget_bytes": 1}), 422, ["schema_version 7"]),
     ("cyclic graph", post_json({"graph": graph_json(input_ids=[0, 2, 2, 3]),
                                 "budget_bytes": 10**6}), 422, ["cycle"]),
     ("dangling id", post_json({"graph": graph_json(output_ids=[1, 2, 3, 9]),

@@ -9,6 +9,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, model_validator
 
 from optiremat.solver.graph import CostGraph, GraphBuilder
+from optiremat.solver.peak import resolve_memory
 from optiremat.solver.solution import SolveOptions
 
 NonNegInt = Annotated[StrictInt, Field(ge=0)]
@@ -38,8 +39,15 @@ class SolveRequest(BaseModel):
     ]})
 
     graph: CostGraph
-    budget_bytes: NonNegInt = Field(description="Residual memory budget in bytes.")
+    budget_bytes: NonNegInt = Field(
+        description="Budget in bytes: the peak of the training step for a graph that carries "
+                    "its step, else residual bytes (options.memory chooses).")
     options: SolveOptions = Field(default_factory=SolveOptions)
+
+    @model_validator(mode="after")
+    def _memory_fits_the_graph(self) -> SolveRequest:
+        resolve_memory(self.graph, self.options.memory)  # a clear 422 before any solve
+        return self
 
 
 class FrontierRequest(BaseModel):
@@ -62,6 +70,7 @@ class FrontierRequest(BaseModel):
 
     @model_validator(mode="after")
     def _budgets_or_count(self) -> FrontierRequest:
+        resolve_memory(self.graph, self.options.memory)
         if (self.budgets is None) == (self.count is None):
             raise ValueError("give exactly one of 'budgets' (a list) or 'count' (an integer)")
         return self

@@ -116,6 +116,9 @@ class FrontierPoint(BaseModel):
     budget_bytes: int
     status: SolveStatus
     residual_bytes: int | None = None
+    peak_bytes: int | None = Field(
+        default=None, description="The predicted peak of the training step (a step's graph)."
+    )
     recompute_flops: int | None = None
     pareto: bool = Field(
         default=False, description="No other point has both fewer bytes and fewer FLOPs."

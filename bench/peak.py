@@ -1,0 +1,155 @@
+"""Peak budgets against XLA: prediction, budgets honoured, the built-ins, and scale.
+
+    .venv/bin/python bench/peak.py            # the whole corpus, 16 points each (~10 min)
+    .venv/bin/python bench/peak.py --quick    # 6 points on three models
+
+For every model of the scan corpus (``tests/peak_models.py``) it prints:
+
+* a frontier over peak budgets: each plan's predicted peak next to the peak
+  XLA's ``memory_analysis()`` gives its compiled step (argument + output +
+  temp - alias), the error, whether the measured peak fits the budget, and
+  whether the measured peak ever rises as the budget falls;
+* JAX's built-in policies applied per layer (``plan.apply`` with the built-in
+  in every region): their measured peak and recompute FLOPs, and the plan
+  solved at exactly that measured peak, which must not recompute more;
+* the one-checkpoint-around-everything form the README used to teach, for the
+  record (its peak does not move);
+
+and then the time to plan an 8B-shaped Llama stack from ``ShapeDtypeStruct``
+arguments (32 layers, D=4096, F=14336, T=8192, 32/8 heads, bf16), with the
+calibration compile timed apart.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+
+from optiremat.client.extract import step_extraction  # noqa: E402
+from optiremat.client.placement import Placement  # noqa: E402
+from optiremat.client.policy import KeyPolicy  # noqa: E402
+from optiremat.client.step import Step, measured_peak  # noqa: E402
+from optiremat.solver.baselines import policy_saves  # noqa: E402
+from optiremat.solver.frontier import spaced_budgets  # noqa: E402
+from optiremat.solver.semantics import recompute_flops  # noqa: E402
+from optiremat.solver.solution import InfeasibleBudgetError  # noqa: E402
+from optiremat.solver.solve import max_useful_budget, min_feasible_budget, solve  # noqa: E402
+from optiremat.solver.units import format_bytes  # noqa: E402
+from tests.peak_models import CORPUS, Model, llama  # noqa: E402
+
+MiB = 2**20
+
+
+def measure(fun, args, extracted, saved_keys: frozenset[str]) -> int:
+    """The compiled step's peak with ``saved_keys`` saved in every region."""
+    step = Step.of(0)
+    placement = Placement(extracted.regions, extracted.differentiated, step)
+    applied = placement.apply(fun, KeyPolicy(saved_keys))
+    return measured_peak(step.function(applied).lower(*args).compile())
+
+
+def frontier(model: Model, points: int) -> dict:
+    fun, args = model.build()
+    started = time.perf_counter()
+    extracted = step_extraction(fun, args, Step.of(0), name=model.name)
+    extract_s = time.perf_counter() - started
+    g = extracted.graph
+    low, high = min_feasible_budget(g), max_useful_budget(g)
+    print(f"\n## {model.name}: {g.num_nodes} nodes, held {format_bytes(g.step.held_bytes)}, "
+          f"working set {format_bytes(g.step.working_bytes)} (extraction and calibration "
+          f"{extract_s:.1f} s); peak budgets {format_bytes(low)} .. {format_bytes(high)}")
+    print(f"{'budget':>11} {'status':>8} {'predicted':>11} {'measured':>11} {'error':>7} "
+          f"{'fits':>5} {'recompute FLOPs':>16}")
+    errors, fits, rises, last = [], 0, 0, None
+    for budget in sorted(spaced_budgets(low, high, points), reverse=True):
+        sol = solve(g, budget, time_limit_s=30)
+        peak = measure(fun, args, extracted, frozenset(sol.saved_keys))
+        error = (sol.peak_bytes - peak) / peak
+        errors.append(error)
+        fit = peak <= budget
+        fits += fit
+        if last is not None and peak > last:
+            rises += 1
+        last = peak
+        print(f"{format_bytes(budget):>11} {sol.status:>8} {format_bytes(sol.peak_bytes):>11} "
+              f"{format_bytes(peak):>11} {error:>+7.1%} {'yes' if fit else 'NO':>5} "
+              f"{sol.recompute_flops:>16.4g}")
+    print(f"prediction error {min(errors):+.1%} .. {max(errors):+.1%}; measured within budget "
+          f"{fits}/{len(errors)}; measured peak rose as the budget fell {rises} time(s)")
+
+    print(f"{'built-in, per layer':>34} {'measured':>11} {'FLOPs':>12} {'plan there':>12} "
+          f"{'plan FLOPs':>12}")
+    for name, saves in policy_saves(g).items():
+        keys = frozenset(k for k, s in zip(g.node_key, saves, strict=True) if s and k)
+        peak = measure(fun, args, extracted, keys)
+        flops = recompute_flops(g, saves)
+        try:
+            sol = solve(g, peak, time_limit_s=30)
+            mark = "<=" if sol.recompute_flops <= flops else "MORE"
+            plan_text = f"{sol.recompute_flops:>12.4g} {mark}"
+        except InfeasibleBudgetError as err:
+            plan_text = f"infeasible (min {format_bytes(err.min_budget_bytes)})"
+        print(f"{name:>34} {format_bytes(peak):>11} {flops:>12.4g} {'':>12} {plan_text}")
+
+    outer = jax.checkpoint(fun, policy=jax.checkpoint_policies.nothing_saveable)
+    print(f"{'(one checkpoint around everything)':>34} "
+          f"{format_bytes(measured_peak(Step.of(0).function(outer).lower(*args).compile())):>11}")
+    return {"errors": errors, "fits": fits, "points": len(errors), "rises": rises}
+
+
+def eight_billion() -> None:
+    fun, shapes = llama(layers=32, d=4096, ffn=14336, heads=32, kv_heads=8, batch=1, seq=8192,
+                        dtype=jnp.bfloat16, abstract=True)
+    from optiremat.client import calibration
+
+    calibration._measured.clear()
+    timed: list[float] = []
+    original = calibration._measure
+
+    def timed_measure(region):
+        t = time.perf_counter()
+        try:
+            return original(region)
+        finally:
+            timed.append(time.perf_counter() - t)
+
+    calibration._measure = timed_measure
+    try:
+        started = time.perf_counter()
+        from optiremat import optimize
+
+        plan = optimize(fun, *shapes, budget="120GiB")
+        total = time.perf_counter() - started
+    finally:
+        calibration._measure = original
+    print(f"\n## 8B-shaped Llama stack from ShapeDtypeStruct (32 layers, bf16): plan "
+          f"{plan.status}, peak {format_bytes(plan.peak_bytes)} within 120 GiB; "
+          f"{total:.1f} s in all, of which calibration compile {sum(timed):.1f} s, "
+          f"the rest {total - sum(timed):.1f} s")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="6 points on three models")
+    parser.add_argument("--no-8b", action="store_true", help="skip the 8B planning time")
+    opts = parser.parse_args()
+    models = [m for m in CORPUS if m.name in ("llama_f32_L8", "vit_L12", "mlp_L32")] \
+        if opts.quick else CORPUS
+    results = [frontier(m, 6 if opts.quick else 16) for m in models]
+    errors = [e for r in results for e in r["errors"]]
+    print(f"\n## all: prediction error {min(errors):+.1%} .. {max(errors):+.1%}; within budget "
+          f"{sum(r['fits'] for r in results)}/{sum(r['points'] for r in results)}; "
+          f"rises {sum(r['rises'] for r in results)}")
+    if not opts.no_8b:
+        eight_billion()
+
+
+if __name__ == "__main__":
+    main()

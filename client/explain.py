@@ -1,0 +1,119 @@
+"""A plan in words: what it holds, where, and what it costs.
+
+One text for ``Plan.explain()`` and ``optiremat explain``. A peak plan's
+prediction is broken down the way the peak model adds it up
+(``optiremat.solver.peak``): arguments, gradients, residuals per layer x
+layers for each region, and the working set of the backward pass.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+
+from optiremat.solver.graph import CostGraph
+from optiremat.solver.semantics import Evaluation, evaluate
+from optiremat.solver.solution import Solution
+from optiremat.solver.units import format_bytes
+
+
+def explain_plan(graph: CostGraph, solution: Solution, top: int | None = 20) -> str:
+    """The plan's summary, its peak breakdown (peak plans) and its largest residuals."""
+    sol = solution
+    lines = [f"plan for {graph.name or 'graph'} {graph.content_hash[:12]}: {sol.status}, "
+             f"solved by {sol.solver} {sol.solver_version} in {sol.solve_seconds:.2f} s"]
+    if not sol.node_decisions:
+        return "\n".join([*lines, "no plan: the solver stopped before it found one"])
+    evaluation = evaluate(graph, [d != "recompute" for d in sol.node_decisions])
+    recomputed = [n for n in evaluation.active if graph.node_key[n]]
+    lines.append(
+        f"budget {format_bytes(sol.budget_bytes)}; residuals {format_bytes(sol.residual_bytes)} "
+        f"in {len(evaluation.residuals)} values; {sol.recompute_flops:,} recompute FLOPs "
+        f"over {len(recomputed)} equations (lower bound {sol.lower_bound_flops:,})")
+    if sol.offload is not None:
+        lines.append(f"offloaded to host memory: {format_bytes(sol.host_bytes)}; estimated "
+                     f"{sol.offload.estimated_seconds * 1e3:.3f} ms of recompute and transfers")
+    if sol.peak_bytes is not None:
+        lines += ["", *peak_breakdown(graph, sol, evaluation)]
+    lines += ["", *_residual_table(graph, sol, evaluation, top)]
+    return "\n".join(lines)
+
+
+def peak_breakdown(graph: CostGraph, solution: Solution, evaluation: Evaluation) -> list[str]:
+    """The predicted peak, term by term."""
+    step = graph.step
+    assert step is not None and solution.peak_bytes is not None
+    arguments = {graph.value_index[v] for v in graph.inputs}
+    extra = graph.value_extra_bytes or [0] * graph.num_values
+    regions = graph.node_region or [-1] * graph.num_nodes
+    per_region = [0] * (len(step.regions) + 1)  # the last: outside every region
+    for v in evaluation.residuals:
+        if v in arguments:
+            continue
+        producer = graph.producer[v]
+        region = regions[producer] if producer is not None else -1
+        per_region[region] += graph.value_bytes[v] + extra[v]
+
+    def row(name: str, nbytes: int, note: str = "") -> str:
+        return f"  {name:<26}{format_bytes(nbytes):>12}  {note}".rstrip()
+
+    within = "within" if solution.peak_bytes <= solution.budget_bytes else "OVER"
+    lines = [f"peak of the training step {format_bytes(solution.peak_bytes)} predicted, "
+             f"{within} the budget of {format_bytes(solution.budget_bytes)}:",
+             row("arguments", step.argument_bytes, "parameters and batch, the whole step"),
+             row("gradients", step.output_bytes, "the step's outputs")]
+    if step.alias_bytes:
+        lines.append(row("- donated", step.alias_bytes, "gradients written over arguments"))
+    for k, region in enumerate(step.regions):
+        per_layer = per_region[k] // region.length
+        lines.append(row(f"residuals, region {k}", per_region[k],
+                         f"{format_bytes(per_layer)} per layer x {region.length} layers "
+                         f"(lax.scan at {region.source})"))
+    if per_region[-1] or not step.regions:
+        lines.append(row("residuals, elsewhere", per_region[-1], "outside every region"))
+    if step.regions:
+        widest = max(range(len(step.regions)), key=lambda k: step.regions[k].working_bytes)
+        lines.append(row("working set", step.working_bytes,
+                         f"one layer's backward pass, region {widest} (measured)"))
+    else:
+        lines.append("  no lax.scan to place remat in: the plan cannot move the peak. "
+                     "Put repeated layers under lax.scan (nnx.scan, eqx scan-over-layers).")
+    return lines
+
+
+def _residual_table(graph: CostGraph, sol: Solution, evaluation: Evaluation,
+                    top: int | None) -> list[str]:
+    inputs = {graph.value_index[v] for v in graph.inputs}
+    rows = []
+    for v in evaluation.residuals:
+        node = graph.producer[v]
+        shape = value_text(graph.value_dtype[v], graph.value_shape[v], graph.value_bytes[v])
+        if node is None:
+            rows.append((graph.value_bytes[v], "input", shape, None,
+                         "argument" if v in inputs else ""))
+        else:
+            offloaded = sol.node_decisions[node] == "offload"
+            rows.append((graph.value_bytes[v],
+                         graph.node_primitive[node] + (" (host)" if offloaded else ""), shape,
+                         graph.node_flops[node], graph.node_source[node]))
+    rows.sort(key=lambda r: (-r[0], r[4], r[1]))
+    shown = rows[:top] if top else rows
+    lines = [f"{'bytes':>11} {'share':>6} {'FLOPs':>12}  {'op':<16} {'value':<22} source"]
+    total = max(sol.residual_bytes + sol.host_bytes, 1)
+    for nbytes, op, shape, flops, source in shown:
+        lines.append(f"{format_bytes(nbytes):>11} {nbytes / total:>6.1%} "
+                     f"{'-' if flops is None else f'{flops:,}':>12}  {op:<16} {shape:<22} "
+                     f"{source or '-'}")
+    if len(shown) < len(rows):
+        lines.append(f"... and {len(rows) - len(shown)} smaller values")
+    return lines
+
+
+def value_text(dtype: str, shape: list[int], nbytes: int) -> str:
+    """``float32[32,64]``, with ``x16`` when a scan stacks it sixteen times."""
+    text = f"{dtype}[{','.join(map(str, shape))}]"
+    bits = re.search(r"(\d+)$", dtype)
+    one = math.prod(shape) * (int(bits.group(1)) // 8 if bits else 1)
+    if one and nbytes > one and nbytes % one == 0:
+        text += f" x{nbytes // one}"
+    return text

@@ -1,0 +1,165 @@
+"""The entry points: a traced function's cost graph, and a training step's."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import jax
+
+from optiremat.client import _jax_internals as jx
+from optiremat.client.cost_model import aval_bytes
+from optiremat.client.extract import cond as _cond  # noqa: F401  (registers the cond rule)
+from optiremat.client.extract.state import (
+    Context,
+    Ref,
+    decide_by_names,
+    decide_by_names_fixed,
+    decide_by_policy,
+)
+from optiremat.client.extract.tracing import Traced, trace
+from optiremat.client.extract.walker import Walker
+from optiremat.client.placement import Region, RegionMarker, find_regions, place
+from optiremat.client.step import Step
+from optiremat.solver.graph import CostGraph, GraphBuilder, NodeMode
+from optiremat.solver.step import RegionMemory, StepMemory
+
+
+def differentiated_inputs(traced: Traced, arguments: Sequence[bool] | None) -> list[bool]:
+    """Which inputs get tangents: the ``arguments`` flagged (every float argument
+    when None, as ``jax.vjp`` does), never consts."""
+    avals = traced.closed.in_avals[traced.num_consts:]
+    if arguments is None:
+        arguments = [bool(jax.numpy.issubdtype(a.dtype, jax.numpy.inexact)) for a in avals]
+    return [False] * traced.num_consts + list(arguments)
+
+
+@dataclass(frozen=True)
+class Extraction:
+    graph: CostGraph
+    names_by_key: dict[str, str]  # policy key -> checkpoint name, for names graphs
+    # A node key standing for several policy keys that must share a decision
+    # (every key inside a cond's branches): representative -> the keys.
+    key_aliases: dict[str, frozenset[str]] = field(default_factory=dict)
+
+
+def graph_of_traced(traced: Traced, *, names: bool = False, name: str = "", step: bool = False,
+                    differentiated: Sequence[bool] | None = None,
+                    step_memory: StepMemory | None = None) -> Extraction:
+    """The cost graph of ``traced``; with ``names``, as ``save_only_these_names`` sees it.
+
+    By default the whole function is under one ``jax.checkpoint``. With ``step``
+    it is differentiated as it stands (``traced`` is a placed function: its
+    regions' checkpoints carry ``RegionMarker`` policies): the plan's policy is
+    offered the equations of the regions only. ``differentiated`` flags the
+    arguments that get tangents (default: every float argument). ``step_memory``
+    travels with the graph, which then plans peak budgets.
+    """
+    nonzeros = differentiated_inputs(traced, differentiated)
+    jvp, jvp_consts = jx.jvp_jaxpr(traced.closed, nonzeros)
+    b = GraphBuilder(name)
+    b.step = step_memory
+    decide = decide_by_names if names else decide_by_policy
+    walker = Walker(b, decide, decide_by_names_fixed if names else None,
+                     widen_stacked_halves=step_memory is not None
+                     and jax.default_backend() == "cpu")
+    refs: list[Ref] = []
+    for c in jvp_consts:
+        aval = jax.core.get_aval(c)
+        refs.append(Ref(b.input(aval_bytes(aval), tuple(aval.shape), str(aval.dtype)), True))
+    for aval in traced.closed.in_avals:
+        refs.append(Ref(b.input(aval_bytes(aval), tuple(aval.shape), str(aval.dtype)), True))
+    refs.extend(Ref(t, False) for t in walker.tangents.node([], [], sum(nonzeros)))
+    top = Context(under_checkpoint=False) if step else Context(decide=walker.decide)
+    walker.finish(walker.walk(jvp, refs, top))
+    # Equations inside cond branches are offered to the policy too; they appear
+    # as fixed nodes whose outputs nothing reads, so the plan's policy knows
+    # their keys, and every node sharing such a key takes the same decision.
+    for n in walker.branch_nodes:
+        b.node(n["primitive"], [], [b.value(0)], key=n["key"], flops=0, mode=n["mode"],
+               repeat=n["repeat"], source=n["source"])
+    for n in b.nodes:
+        if n["key"] in walker.keys_forced_save:
+            n["mode"] = NodeMode.SAVE
+    aliases = merge_tie_groups(walker.tie_groups)
+    for n in b.nodes:
+        for representative, keys in aliases.items():
+            if n["key"] in keys:
+                n["key"] = representative
+    return Extraction(b.build(), dict(walker.names_by_key), aliases)
+
+
+@dataclass(frozen=True)
+class StepExtraction:
+    """The graph of a training step whose regions the plan decides."""
+
+    extraction: Extraction  # its graph carries the step's memory (CostGraph.step)
+    regions: tuple[Region, ...]
+    differentiated: tuple[bool, ...]  # per flattened argument: whether the step differentiates it
+
+    @property
+    def graph(self) -> CostGraph:
+        return self.extraction.graph
+
+
+def step_extraction(fun: Callable, args: Sequence, step: Step, *,
+                    name: str = "") -> StepExtraction:
+    """The cost graph of ``step`` (``jax.jit(jax.grad(fun, argnums))``) with a remat
+    region in every differentiated ``lax.scan`` (``client.placement``), and what
+    the step holds and each region's working set (one compile per distinct layer)."""
+    from optiremat.client.calibration import working_bytes
+
+    step.check(args)
+    traced = trace(fun, args, {})
+    flags = step.differentiated(args)
+    closed = jx.ClosedJaxpr(traced.open_jaxpr, traced.consts)
+    regions = tuple(find_regions(closed, flags))
+    markers = [RegionMarker(r.index) for r in regions]
+
+    def marked(*leaves):
+        return place(closed, leaves, regions, markers, flags)
+
+    arguments, outputs, aliases = step.held_memory(args)
+    memory = StepMemory(argument_bytes=arguments, output_bytes=outputs, alias_bytes=aliases,
+                        regions=[RegionMemory(source=r.source, length=r.length,
+                                              working_bytes=working_bytes(r)) for r in regions])
+    extraction = graph_of_traced(trace(marked, traced.flat_args, {}), name=name, step=True,
+                                 differentiated=flags, step_memory=memory)
+    return StepExtraction(extraction, regions, tuple(flags))
+
+
+def merge_tie_groups(groups: Sequence[set[str]]) -> dict[str, frozenset[str]]:
+    """Union of overlapping groups; each named by its smallest key."""
+    merged: list[set[str]] = []
+    for group in groups:
+        group = set(group)
+        for other in [m for m in merged if m & group]:
+            group |= other
+            merged.remove(other)
+        merged.append(group)
+    return {min(g): frozenset(g) for g in merged}
+
+
+def extract_step(fun: Callable, *args, argnums: int | Sequence[int] = 0,
+                 donate_argnums: int | Sequence[int] = ()) -> CostGraph:
+    """The cost graph of the training step ``jax.jit(jax.grad(fun, argnums))`` at
+    ``args``: a remat region in every differentiated ``lax.scan``, and what the step
+    holds (one compile per distinct layer measures its working set). Solving it
+    plans peak budgets; ``optiremat.optimize`` is this and a solve."""
+    name = getattr(fun, "__qualname__", getattr(fun, "__name__", ""))
+    return step_extraction(fun, args, Step.of(argnums, donate_argnums), name=name).graph
+
+
+def extract_graph(fun: Callable, *args, **kwargs) -> CostGraph:
+    """The cost graph of ``jax.checkpoint(fun)`` differentiated at ``args``.
+
+    Float arguments are differentiated, integer ones are not, as with
+    ``jax.grad``. Example::
+
+        >>> import jax.numpy as jnp
+        >>> g = extract_graph(lambda x: jnp.sin(jnp.sin(x)).sum(), jnp.ones(4))
+        >>> sorted(set(g.node_primitive))
+        ['cos', 'reduce_sum', 'sin']
+    """
+    name = getattr(fun, "__qualname__", getattr(fun, "__name__", ""))
+    return graph_of_traced(trace(fun, args, kwargs), name=name).graph

@@ -1,0 +1,40 @@
+"""A function traced as ``jax.checkpoint`` traces it: flat, consts first."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import jax
+
+from optiremat.client import _jax_internals as jx
+
+
+@dataclass(frozen=True)
+class Traced:
+    """A function traced as ``jax.checkpoint`` traces it: flat, consts first."""
+
+    closed: jx.ClosedJaxpr  # consts converted to leading inputs
+    open_jaxpr: jx.Jaxpr  # the same with consts as constvars
+    consts: list
+    in_tree: object
+    out_tree: object
+    num_consts: int
+    flat_args: list
+
+
+def trace(fun: Callable, args: Sequence, kwargs: dict) -> Traced:
+    flat_args, in_tree = jax.tree_util.tree_flatten((tuple(args), dict(kwargs)))
+    out_tree_box: list = []
+
+    def flat_fun(*leaves):
+        a, k = jax.tree_util.tree_unflatten(in_tree, leaves)
+        out = fun(*a, **k)
+        leaves_out, tree = jax.tree_util.tree_flatten(out)
+        out_tree_box.append(tree)
+        return leaves_out
+
+    closed = jax.make_jaxpr(flat_fun)(*flat_args)
+    return Traced(jx.close_with_consts_as_inputs(closed), closed.jaxpr, list(closed.consts),
+                  in_tree,
+                  out_tree_box[-1], len(closed.consts), flat_args)

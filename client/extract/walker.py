@@ -1,0 +1,256 @@
+"""The walk: ``partial_eval_jaxpr_custom`` replayed over a JVP'd jaxpr.
+
+Every equation whose inputs are all known becomes a graph node (decided as
+the context says); the rest is the backward pass, recorded in the tangent
+graph. Primitives that partial evaluation treats specially get a rule, looked
+up by their role in ``client.primitives``: calls are flattened, a nested
+checkpoint is flattened or (in a plan's step graph) hands its equations to
+the solver, a scan's body is walked once and stacked over its length, a while
+loop is one fixed node; ``client.extract.cond`` registers the cond rule.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field, replace
+
+from optiremat.client import _jax_internals as jx
+from optiremat.client.cost_model import aval_bytes, eqn_flops
+from optiremat.client.extract.known import scan_carry_known
+from optiremat.client.extract.state import (
+    CONSTANT,
+    HALF_FLOATS,
+    Context,
+    Decide,
+    ExtractionError,
+    Ref,
+    TangentGraph,
+    decide_by,
+    primal_mode,
+)
+from optiremat.client.keys import policy_key
+from optiremat.client.placement import RegionMarker
+from optiremat.client.primitives import Role, body, info
+from optiremat.solver.graph import GraphBuilder, NodeMode
+
+
+@dataclass
+class Walker:
+    builder: GraphBuilder
+    decide: Decide
+    branch_decide: Decide | None  # fixed decision inside cond branches; None: solver picks
+    next_loop: int = 0
+    keys_forced_save: set[str] = field(default_factory=set)
+    branch_nodes: list[dict] = field(default_factory=list)  # offered to the policy in conds
+    tangents: TangentGraph = field(default_factory=TangentGraph)
+    names_by_key: dict[str, str] = field(default_factory=dict)  # checkpoint_name equations
+    tie_groups: list[set[str]] = field(default_factory=list)  # keys that share one decision
+    next_cond: int = 0
+    # XLA on CPU computes half-precision floats in f32 and widens stacked half
+    # residuals for the backward pass: each costs about its size again (bench/peak.py).
+    widen_stacked_halves: bool = False
+
+    # ---- values and nodes -------------------------------------------------
+
+    def new_value(self, aval, varying: frozenset[int], ctx: Context) -> int:
+        copies = ctx.stacked(varying)
+        nbytes = aval_bytes(aval) * copies
+        dtype = str(getattr(aval, "dtype", ""))
+        widened = self.widen_stacked_halves and copies > 1 and dtype in HALF_FLOATS
+        return self.builder.value(nbytes, tuple(getattr(aval, "shape", ())), dtype,
+                                  extra=nbytes if widened else 0)
+
+    def node(self, eqn, ins: Sequence[Ref], ctx: Context, mode: NodeMode, key: str,
+             flops: int) -> list[Ref]:
+        varying = frozenset().union(*(r.varying for r in ins))
+        outs = [Ref(self.new_value(v.aval, varying, ctx), True, varying) for v in eqn.outvars]
+        self.builder.node(
+            eqn.primitive.name,
+            [r.value for r in ins if r.value is not None],
+            [r.value for r in outs],
+            key=key, flops=flops * ctx.stacked(varying), mode=mode,
+            repeat=ctx.stacked(varying), source=jx.source_of(eqn), batch_dims=batch_dims(eqn),
+            region=ctx.region,
+        )
+        return outs
+
+    def virtual(self, name: str, inputs: Sequence[int | None], out_avals: Sequence,
+                varying: frozenset[int], ctx: Context, *, mode: NodeMode = NodeMode.RECOMPUTE,
+                flops: int = 0, source: str = "", key: str = "") -> list[int]:
+        """A node no policy decides: JAX's rule fixes what it does.
+
+        A ``key`` marks work that exists only because of the policy (a cond
+        branch recomputed under a names policy): ``everything_saveable``, the
+        FLOPs baseline, would have saved it.
+        """
+        outs = [self.new_value(a, varying, ctx) for a in out_avals]
+        self.builder.node(name, sorted({v for v in inputs if v is not None}), outs, key=key,
+                          flops=flops * ctx.stacked(varying), mode=mode,
+                          repeat=ctx.stacked(varying), source=source, region=ctx.region)
+        return outs
+
+    def staged(self, refs: Sequence[Ref], num_out: int,
+               extra_reads: Sequence[int] = ()) -> list[Ref]:
+        """An equation of the backward pass: it reads tangents and primal values."""
+        tangents_in = [r.value for r in refs if not r.known and r.value is not None]
+        reads = [r.value for r in refs if r.known and r.value is not None] + list(extra_reads)
+        return [Ref(t, False) for t in self.tangents.node(tangents_in, reads, num_out)]
+
+    def finish(self, outs: Sequence[Ref]) -> None:
+        """The backward pass needs the output tangents: mark what it reads."""
+        sinks = [r.value for r in outs if not r.known and r.value is not None]
+        self.builder.backward_reads.extend(self.tangents.live_primal_reads(sinks))
+
+    # ---- the walk ---------------------------------------------------------
+
+    def walk(self, jaxpr: jx.Jaxpr, ins: Sequence[Ref], ctx: Context) -> list[Ref]:
+        env: dict = dict(zip(jaxpr.invars, ins, strict=True))
+        env.update((v, CONSTANT) for v in jaxpr.constvars)
+
+        def read(x) -> Ref:
+            return CONSTANT if isinstance(x, jx.Literal) else env[x]
+
+        for eqn in jaxpr.eqns:
+            refs = [read(x) for x in eqn.invars]
+            rule = ROLE_RULES.get(info(eqn.primitive).role)
+            if rule is not None:
+                outs = rule(self, eqn, refs, ctx)
+            elif not all(r.known for r in refs):
+                outs = self.staged(refs, len(eqn.outvars))
+            else:
+                outs = self.known_eqn(eqn, refs, ctx)
+            env.update(zip(eqn.outvars, outs, strict=True))
+        return [read(x) for x in jaxpr.outvars]
+
+    def known_eqn(self, eqn, refs: Sequence[Ref], ctx: Context) -> list[Ref]:
+        flops = eqn_flops(eqn)
+        if jx.has_effects(eqn):  # always kept in the forward pass, whatever the policy says
+            return self.node(eqn, refs, ctx, NodeMode.SAVE, "", flops)
+        mode = ctx.decide(eqn)
+        if ctx.decide is not self.decide:  # no policy of the plan is offered this equation
+            return self.node(eqn, refs, ctx, mode, "", flops)
+        key = policy_key(eqn.primitive, [x.aval for x in eqn.invars], eqn.params)
+        if eqn.primitive is jx.name_p:
+            self.names_by_key[key] = eqn.params["name"]
+        return self.node(eqn, refs, ctx, mode, key, flops)
+
+    # ---- rules: call-like primitives are flattened --------------------------
+
+    def call_rule(self, eqn, refs: Sequence[Ref], ctx: Context) -> list[Ref]:
+        return self.walk(body(eqn), refs, ctx)
+
+    def checkpoint_rule(self, eqn, refs: Sequence[Ref], ctx: Context) -> list[Ref]:
+        """A checkpoint inside a checkpointed function is flattened into it. Outside
+        any (a plan's step graph), a region's checkpoint hands its equations to
+        the solver and a user's own checkpoint fixes them by its policy."""
+        if ctx.under_checkpoint:
+            return self.call_rule(eqn, refs, ctx)
+        policy = eqn.params["policy"]
+        if isinstance(policy, RegionMarker):
+            inner = replace(ctx.checkpointed(self.decide), region=policy.index)
+            return self.walk(body(eqn), refs, inner)
+        return self.walk(body(eqn), refs, ctx.checkpointed(decide_by(policy)))
+
+    # ---- scan: the body once, stacked over the length ---------------------
+
+    def scan_rule(self, eqn, refs: Sequence[Ref], ctx: Context) -> list[Ref]:
+        p = eqn.params
+        n_consts, n_carry, length = p["num_consts"], p["num_carry"], int(p["length"])
+        body: jx.Jaxpr = p["jaxpr"].jaxpr
+        consts, init, xs = refs[:n_consts], refs[n_consts:n_consts + n_carry], \
+            refs[n_consts + n_carry:]
+        carry_known = scan_carry_known(body, consts, init, xs)
+        loop = self.next_loop
+        self.next_loop += 1
+        inner = ctx.enter(loop, length)
+        region = placed_region(body)
+        if region is not None:  # the plan's region: its stacked carries belong to it too
+            inner = replace(inner, region=region)
+        here = frozenset({loop})
+
+        carry_in: list[Ref] = []
+        for ref, known, var in zip(init, carry_known, body.invars[n_consts:n_consts + n_carry],
+                                   strict=True):
+            if not known:
+                if ref.known:
+                    # A known value in a tangent slot is a zero the JVP instantiated
+                    # for the carry fixpoint: JAX builds it in the backward pass.
+                    carry_in.append(Ref(self.tangents.node([], [], 1)[0], False))
+                else:
+                    (t,) = self.staged([ref], 1)
+                    carry_in.append(t)
+                continue
+            # Under a checkpoint the staged scan rebuilds the primal carry from the
+            # initial value; under jax.vjp the forward scan keeps it per iteration.
+            varying = ref.varying | here
+            (v,) = self.virtual("scan_carry", [ref.value], [var.aval], varying, inner,
+                                source=jx.source_of(eqn), mode=primal_mode(ctx))
+            carry_in.append(Ref(v, True, varying))
+        xs_in = [Ref(r.value, True, r.varying | here) if r.known else r for r in xs]
+        outs = self.walk(body, [*consts, *carry_in, *xs_in], inner)
+        carry_out = outs[:n_carry]
+
+        for cin, cout in zip(carry_in, carry_out, strict=True):
+            if cout.value is None:
+                continue
+            if cin.known:
+                # Only a staged scan that rebuilds the primal carry needs carry_out
+                # whenever it needs carry_in; under jax.vjp the carry is kept.
+                if ctx.under_checkpoint:
+                    self.builder.carry_in.append(cin.value)
+                    self.builder.carry_out.append(cout.value)
+            else:
+                self.tangents.carries.append((cin.value, cout.value))
+        # Primal outputs of a scan are instantiated: the staged scan recomputes them.
+        results = []
+        for ref, var in zip(outs, eqn.outvars, strict=True):
+            if not ref.known:
+                results.extend(self.staged([ref], 1))
+                continue
+            varying = ref.varying - here
+            (v,) = self.virtual("scan_output", [ref.value], [var.aval], varying, ctx,
+                                source=jx.source_of(eqn), mode=primal_mode(ctx))
+            results.append(Ref(v, True, varying))
+        return results
+    # ---- while: the policy is never consulted -----------------------------
+
+    def while_rule(self, eqn, refs: Sequence[Ref], ctx: Context) -> list[Ref]:
+        if not all(r.known for r in refs):
+            raise ExtractionError(
+                f"while_loop at {jx.source_of(eqn)} carries a differentiated value; JAX cannot "
+                "reverse-differentiate it. Use lax.scan or fori_loop with static bounds.")
+        # partial_eval keeps the loop in the forward pass and stages a full copy
+        # of it: its outputs are recomputed, never residuals.
+        varying = frozenset().union(*(r.varying for r in refs))
+        outs = self.virtual("while", [r.value for r in refs], [v.aval for v in eqn.outvars],
+                            varying, ctx, flops=eqn_flops(eqn),
+                            source=jx.source_of(eqn), mode=primal_mode(ctx))
+        return [Ref(v, True, varying) for v in outs]
+
+
+WalkRule = Callable[[Walker, jx.core.JaxprEqn, Sequence[Ref], Context], list[Ref]]
+# The rule of each role; client.extract.cond adds Role.COND's.
+ROLE_RULES: dict[Role, WalkRule] = {
+    Role.CALL: Walker.call_rule,
+    Role.CHECKPOINT: Walker.checkpoint_rule,
+    Role.SCAN: Walker.scan_rule,
+    Role.WHILE: Walker.while_rule,
+}
+
+
+def placed_region(body: jx.Jaxpr) -> int | None:
+    """The region a scan's body was checkpointed as by ``client.placement``, if any."""
+    for eqn in body.eqns:
+        role = info(eqn.primitive).role
+        policy = eqn.params.get("policy") if role == Role.CHECKPOINT else None
+        if isinstance(policy, RegionMarker):
+            return policy.index
+    return None
+
+
+def batch_dims(eqn) -> int | None:
+    """Batch dimensions of a dot (``dots_with_no_batch_dims_saveable`` looks at them)."""
+    if eqn.primitive is not jx.lax_ops.dot_general_p:
+        return None
+    (_, _), (lhs_batch, rhs_batch) = eqn.params["dimension_numbers"]
+    return max(len(lhs_batch), len(rhs_batch))

@@ -1,0 +1,111 @@
+"""The training step a plan is for, and the one definition of its peak.
+
+A budget is the peak bytes of ``jax.jit(jax.grad(fun, argnums),
+donate_argnums=...)`` on one device, as XLA's ``memory_analysis()`` reports
+it: argument + output + temp - alias bytes (``measured_peak``). For a ``fun``
+that is not a scalar, the step is its VJP with a ones cotangent (the gradient
+of the sum of its outputs). ``held_memory`` is the part no plan changes:
+the arguments, the gradients, less the outputs that reuse donated arguments.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from optiremat.client.cost_model import aval_bytes
+
+
+class StepError(ValueError):
+    """A function or arguments the training step cannot be built from."""
+
+
+def measured_peak(compiled: jax.stages.Compiled) -> int:
+    """Peak bytes of a compiled step: argument + output + temp - alias."""
+    m = compiled.memory_analysis()
+    return (m.argument_size_in_bytes + m.output_size_in_bytes + m.temp_size_in_bytes
+            - m.alias_size_in_bytes)
+
+
+def _as_tuple(argnums: int | Sequence[int]) -> tuple[int, ...]:
+    return (argnums,) if isinstance(argnums, int) else tuple(argnums)
+
+
+@dataclass(frozen=True)
+class Step:
+    """``fun`` differentiated at ``argnums``, jitted with ``donate_argnums``."""
+
+    argnums: tuple[int, ...] = (0,)
+    donate_argnums: tuple[int, ...] = ()
+
+    @classmethod
+    def of(cls, argnums: int | Sequence[int] = 0,
+           donate_argnums: int | Sequence[int] = ()) -> Step:
+        return cls(_as_tuple(argnums), _as_tuple(donate_argnums))
+
+    def check(self, args: Sequence) -> None:
+        for i in (*self.argnums, *self.donate_argnums):
+            if not -len(args) <= i < len(args):
+                raise StepError(f"argnums/donate_argnums name argument {i}, but the function "
+                                f"is given {len(args)}")
+        leaves = [leaf for i in self.argnums for leaf in jax.tree_util.tree_leaves(args[i])]
+        if not any(jnp.issubdtype(jnp.result_type(leaf), jnp.inexact) for leaf in leaves):
+            raise StepError(
+                f"no floating-point input to differentiate among arguments {list(self.argnums)}:"
+                " nothing has a gradient, so there is no backward pass to plan")
+
+    def differentiated(self, args: Sequence) -> list[bool]:
+        """Per flattened argument leaf, whether the step differentiates it."""
+        flags: list[bool] = []
+        chosen = {i % len(args) for i in self.argnums}
+        for i, arg in enumerate(args):
+            for leaf in jax.tree_util.tree_leaves(arg):
+                flags.append(i in chosen
+                             and bool(jnp.issubdtype(jnp.result_type(leaf), jnp.inexact)))
+        return flags
+
+    def function(self, fun: Callable) -> Callable:
+        """The step itself: the gradient (of the outputs' sum, for a non-scalar ``fun``)."""
+        def total(*args, **kwargs):
+            out = fun(*args, **kwargs)
+            leaves = jax.tree_util.tree_leaves(out)
+            if len(leaves) == 1 and jnp.ndim(leaves[0]) == 0:
+                return leaves[0]
+            return sum(jnp.sum(leaf.astype(jnp.float32)) for leaf in leaves
+                       if jnp.issubdtype(leaf.dtype, jnp.inexact))
+        argnums = self.argnums[0] if len(self.argnums) == 1 else self.argnums
+        # allow_int: integer leaves of a differentiated pytree get empty float0 gradients.
+        return jax.jit(jax.grad(total, argnums=argnums, allow_int=True),
+                       donate_argnums=self.donate_argnums)
+
+    def held_memory(self, args: Sequence) -> tuple[int, int, int]:
+        """(argument, output, alias) bytes: what the step holds whatever the plan."""
+        def nbytes(leaf) -> int:
+            return aval_bytes(jax.core.ShapedArray(np.shape(leaf), jnp.result_type(leaf)))
+
+        arguments = sum(nbytes(leaf) for leaf in jax.tree_util.tree_leaves(args))
+        grads = [leaf for has_grad, leaf in self._leaf_owners(args) if has_grad]
+        outputs = sum(nbytes(leaf) for leaf in grads)
+        # XLA reuses a donated argument's buffer for one output of its shape and type.
+        donated = Counter(
+            (np.shape(leaf), str(jnp.result_type(leaf)))
+            for i in {d % len(args) for d in self.donate_argnums}
+            for leaf in jax.tree_util.tree_leaves(args[i]))
+        alias = 0
+        for leaf in grads:
+            kind = (np.shape(leaf), str(jnp.result_type(leaf)))
+            if donated[kind] > 0:
+                donated[kind] -= 1
+                alias += nbytes(leaf)
+        return arguments, outputs, alias
+
+    def _leaf_owners(self, args: Sequence) -> list[tuple[bool, object]]:
+        """Every leaf of the differentiated arguments, with whether it has a gradient."""
+        chosen = {i % len(args) for i in self.argnums}
+        return [(bool(jnp.issubdtype(jnp.result_type(leaf), jnp.inexact)), leaf)
+                for i in sorted(chosen) for leaf in jax.tree_util.tree_leaves(args[i])]

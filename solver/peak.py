@@ -1,0 +1,122 @@
+"""Peak budgets: a budget is the peak bytes of the compiled training step.
+
+What runs out on a device is the peak of ``jax.jit(jax.grad(loss))`` as XLA's
+``memory_analysis()`` counts it: argument + output + temp - alias bytes. A
+plan moves only part of that, so the model is::
+
+    peak(plan) = held + working + residual bytes that are not arguments
+
+* ``held``: arguments (parameters, batch) + outputs (gradients) - bytes the
+  outputs alias (donated arguments); fixed by the step's signature.
+* residuals: what the forward pass leaves for the backward pass. Residuals
+  inside a ``lax.scan`` are stacked over its length (``value_bytes`` already
+  are), so this is per-layer residuals x layers, plus the rest; a residual may
+  cost more on the device than its size (``value_extra_bytes``). Residuals that
+  are arguments are held anyway and cost nothing more.
+* ``working``: the largest transient working set of the backward pass, one
+  layer's recomputation and its cotangents, measured by one compile of one
+  layer per region (``optiremat.client.calibration``).
+
+Measured on the scan corpus (``bench/peak.py``): XLA's temp bytes are exactly
+linear in the number of layers for a fixed policy, with the stacked residuals
+as the slope, so held + residuals is exact and the working set is the only
+estimate. Along the frontier of optimal plans it varies by 1-8% of the peak
+around the calibrated value.
+
+A peak budget is therefore a residual budget shifted by ``held + working``, on
+a view of the graph whose argument values weigh nothing: the search is the
+same MILP. ``SolveOptions.memory`` picks the meaning; by default a graph that
+carries its step (``CostGraph.step``) is planned by peak, any other by
+residuals.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from optiremat.solver.graph import CostGraph, GraphError
+from optiremat.solver.semantics import evaluate
+from optiremat.solver.solution import InfeasibleBudgetError, Solution, SolveOptions
+from optiremat.solver.step import Memory
+
+
+def canonical_options(graph: CostGraph, options: SolveOptions) -> SolveOptions:
+    """``options`` without a ``memory`` that only repeats the graph's default, so that
+    both ways of asking for the same plan get the same answer, bit for bit."""
+    default = Memory.PEAK if graph.step is not None else Memory.RESIDUALS
+    if options.memory is not None and resolve_memory(graph, options.memory) == default:
+        return options.model_copy(update={"memory": None})
+    return options
+
+
+def resolve_memory(graph: CostGraph, memory: Memory | None) -> Memory:
+    """What a budget means for ``graph``: as asked, else peak when it knows its step."""
+    if memory is None:
+        return Memory.PEAK if graph.step is not None else Memory.RESIDUALS
+    if memory == Memory.PEAK and graph.step is None:
+        raise GraphError(
+            "memory='peak' needs a graph that carries its training step (one from "
+            "optiremat.extract_step, or optiremat extract); this one does not: plan it with "
+            "memory='residuals'")
+    return Memory(memory)
+
+
+@dataclass(frozen=True)
+class BudgetView:
+    """The graph a search runs on and the bytes every plan holds besides its residuals."""
+
+    graph: CostGraph
+    memory: Memory
+    held_bytes: int  # arguments + outputs - aliases + working set (0 for residual budgets)
+
+    @classmethod
+    def of(cls, graph: CostGraph, memory: Memory | None) -> BudgetView:
+        mode = resolve_memory(graph, memory)
+        if mode == Memory.RESIDUALS:
+            return cls(graph, mode, 0)
+        assert graph.step is not None
+        arguments = {graph.value_index[v] for v in graph.inputs}
+        extra = graph.value_extra_bytes or [0] * graph.num_values
+        weights = [0 if v in arguments else b + e
+                   for v, (b, e) in enumerate(zip(graph.value_bytes, extra, strict=True))]
+        view = CostGraph.model_construct(**{**dict(graph), "value_bytes": weights, "step": None,
+                                            "value_extra_bytes": None})
+        return cls(view, mode, graph.step.held_bytes + graph.step.working_bytes)
+
+    def predicted(self, saves: list[bool]) -> int:
+        """The budget the plan saving ``saves`` (per node) needs."""
+        return self.budget(evaluate(self.graph, saves).residual_bytes)
+
+    def search_budget(self, budget: int) -> int:
+        """The residual budget a plan within ``budget`` has (negative: nothing fits)."""
+        return budget - self.held_bytes
+
+    def budget(self, search_bytes: int) -> int:
+        """The budget a plan of ``search_bytes`` residual bytes in the view needs."""
+        return search_bytes + self.held_bytes
+
+    def solve(self, graph: CostGraph, budget: int,
+              search: Callable[[CostGraph, int], Solution],
+              min_search_bytes: Callable[[], int]) -> Solution:
+        """``search`` on the view at the shifted budget, reported in ``budget``'s terms."""
+        inner = self.search_budget(budget)
+        if inner < 0:
+            raise InfeasibleBudgetError(budget, self.budget(min_search_bytes()))
+        try:
+            answer = search(self.graph, inner)
+        except InfeasibleBudgetError as err:
+            raise InfeasibleBudgetError(budget, self.budget(err.min_budget_bytes)) from None
+        return self.report(graph, budget, answer)
+
+    def report(self, graph: CostGraph, budget: int, answer: Solution) -> Solution:
+        """The view's answer for ``graph``: residual bytes of every residual (what
+        ``saved_residuals`` lists), and the predicted peak."""
+        if self.memory == Memory.RESIDUALS:
+            return answer
+        update: dict = {"graph_hash": graph.content_hash, "budget_bytes": budget}
+        if answer.node_decisions:
+            full = evaluate(graph, [d != "recompute" for d in answer.node_decisions])
+            update["residual_bytes"] = full.residual_bytes - answer.host_bytes
+            update["peak_bytes"] = self.budget(answer.residual_bytes)
+        return answer.model_copy(update=update)
