@@ -1,5 +1,6 @@
 """The run layer's contracts: one outcome codec for both stores, stable request hashes,
-and a module graph without cycles in which the two executors never meet."""
+a module graph without cycles in which the two executors never meet; and on a real
+Redis, its bounds, its job listing, the shared rate limit and the queue's bound."""
 
 from __future__ import annotations
 

@@ -26,8 +26,9 @@ async def healthz() -> Health:
     summary="Ready to take requests",
 )
 async def readyz(front: FrontDep) -> Readiness:
-    """Embedded: the store answers and every worker process has started. Cluster: Redis
-    answers (workers are counted, not required: jobs wait in the queue for them)."""
+    """Embedded: the store answers and takes writes, and every worker process has started.
+    Cluster: Redis answers (workers are counted, not required: jobs wait in the queue for
+    them). Never while the server is stopping."""
     return await front.readiness()
 
 
