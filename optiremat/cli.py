@@ -16,8 +16,8 @@ from optiremat.commands import add_commands  # imports nothing heavy: commands i
 def _serve(args: argparse.Namespace) -> int:
     from pydantic import ValidationError
 
-    from optiremat.service.config import Settings
-    from optiremat.service.main import serve
+    from optiremat.service.api.main import serve
+    from optiremat.service.core.config import Settings
 
     overrides = {name: value for name, value in (("host", args.host), ("port", args.port))
                  if value is not None}
@@ -34,7 +34,7 @@ def _serve(args: argparse.Namespace) -> int:
 def _worker(args: argparse.Namespace) -> int:
     from pydantic import ValidationError
 
-    from optiremat.service.config import Settings
+    from optiremat.service.core.config import Settings
 
     try:
         settings = Settings()
@@ -46,7 +46,7 @@ def _worker(args: argparse.Namespace) -> int:
         print("optiremat worker: set OPTIREMAT_REDIS_URL (e.g. redis://localhost:6379/0)",
               file=sys.stderr)
         return 2
-    from optiremat.service.cluster_worker import work
+    from optiremat.service.core.rq_worker import work
 
     return work(settings, burst=args.burst)
 

@@ -24,6 +24,7 @@ from typing import Any
 import pytest
 from redis import Redis
 
+from optiremat.service.core.redis_store import RedisStore
 from tests.service_harness import REPO, Server, free_port
 
 
@@ -159,7 +160,7 @@ class Cluster:
                    if '"task finished"' in line and key in line)
 
     def run_record(self, key: str) -> dict[str, str]:
-        raw = self.redis.client().hgetall(f"optiremat:run:{key}")
+        raw = self.redis.client().hgetall(RedisStore.run_key(key))
         return {k.decode(): v.decode() for k, v in raw.items()}
 
     def stop(self) -> None:

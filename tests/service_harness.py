@@ -39,6 +39,7 @@ class Server:
     settings: dict[str, str] = field(default_factory=dict)
     port: int = field(default_factory=free_port)
     process: subprocess.Popen[bytes] | None = None
+    wrap: list[str] = field(default_factory=list)  # a command that execs the server
 
     @property
     def url(self) -> str:
@@ -55,7 +56,7 @@ class Server:
         self.data_dir.mkdir(parents=True, exist_ok=True)
         with self.log_path.open("ab") as log:
             self.process = subprocess.Popen(
-                [sys.executable, "-m", "optiremat", "serve",
+                [*self.wrap, sys.executable, "-m", "optiremat", "serve",
                  "--host", "127.0.0.1", "--port", str(self.port)],
                 cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT,
             )

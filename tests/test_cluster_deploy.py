@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 import yaml
 
-from optiremat.service.cluster_store import JOB_TIMEOUT_MARGIN_S
+from optiremat.service.core.redis_store import JOB_TIMEOUT_MARGIN_S
 from tests.service_harness import REPO
 
 DOCKER = REPO / "docker"
@@ -82,6 +82,30 @@ def test_the_wheel_holds_one_package_with_every_module(tmp_path: Path) -> None:
     assert on_disk <= set(names), sorted(on_disk - set(names))
 
 
+def redis_bound(args: list[str]) -> tuple[int, str]:
+    """(maxmemory in bytes, maxmemory-policy) from redis-server's arguments."""
+    memory = args[args.index("--maxmemory") + 1]
+    units = {"gb": 1 << 30, "mb": 1 << 20}
+    return int(memory[:-2]) * units[memory[-2:]], args[args.index("--maxmemory-policy") + 1]
+
+
+def test_redis_is_bounded_and_evicts_only_what_expires() -> None:
+    redis = resources("StatefulSet")["optiremat-redis"]["spec"]["template"]["spec"][
+        "containers"][0]
+    max_bytes, policy = redis_bound(redis["args"])
+    assert policy == "volatile-ttl"  # never the queue, never an unfinished run
+    limit = redis["resources"]["limits"]["memory"]
+    assert limit.endswith("Gi") and int(limit[:-2]) << 30 > max_bytes  # room for the fork
+
+
+def test_api_pods_outlast_their_shutdown_grace() -> None:
+    settings = resources("ConfigMap")["optiremat"]["data"]
+    api = resources("Deployment")["optiremat-api"]["spec"]["template"]["spec"]
+    assert api["terminationGracePeriodSeconds"] > float(settings["OPTIREMAT_SHUTDOWN_GRACE_S"])
+    assert float(settings["OPTIREMAT_SHUTDOWN_GRACE_S"]) > float(
+        settings["OPTIREMAT_SYNC_TIME_LIMIT_S"])  # an open synchronous solve can finish
+
+
 def test_workers_outlast_the_longest_solve_on_shutdown() -> None:
     settings = resources("ConfigMap")["optiremat"]["data"]
     longest = float(settings["OPTIREMAT_JOB_TIME_LIMIT_S"]) + JOB_TIMEOUT_MARGIN_S
@@ -104,8 +128,13 @@ def test_deployments_have_probes_resources_and_run_unprivileged() -> None:
     assert api["readinessProbe"]["httpGet"]["path"] == "/readyz"
     assert api["livenessProbe"]["httpGet"]["path"] == "/healthz"
     assert {"configMapRef": {"name": "optiremat"}} in api["envFrom"]
-    assert {"secretRef": {"name": "optiremat-api-keys"}} in api["envFrom"]
-    assert "OPTIREMAT_API_KEYS" in resources("Secret")["optiremat-api-keys"]["stringData"]
+    # the API keys are a mounted file: a Secret update rotates them without a restart
+    key_file = Path({e["name"]: e["value"] for e in api["env"]}["OPTIREMAT_API_KEYS_FILE"])
+    pod_volumes = {v["name"]: v for v in deployments["optiremat-api"]["spec"]["template"]["spec"][
+        "volumes"]}
+    mount = next(m for m in api["volumeMounts"] if Path(m["mountPath"]) == key_file.parent)
+    assert pod_volumes[mount["name"]]["secret"]["secretName"] == "optiremat-api-keys"
+    assert key_file.name in resources("Secret")["optiremat-api-keys"]["stringData"]
     hpa = resources("HorizontalPodAutoscaler")["optiremat-api"]["spec"]
     assert hpa["scaleTargetRef"]["name"] == "optiremat-api" and hpa["minReplicas"] >= 2
     service = resources("Service")["optiremat"]["spec"]
@@ -119,6 +148,7 @@ def test_compose_runs_redis_with_a_volume_an_api_and_workers() -> None:
     assert "redis-data:/data" in services["redis"]["volumes"] and "redis-data" in compose[
         "volumes"]
     assert "--appendonly" in services["redis"]["command"]
+    assert redis_bound(services["redis"]["command"]) == (1 << 30, "volatile-ttl")
     for name in ("api", "worker"):
         assert services[name]["environment"]["OPTIREMAT_REDIS_URL"] == "redis://redis:6379/0"
     assert services["worker"]["command"] == ["worker"]

@@ -157,6 +157,20 @@ def test_restarting_an_api_replica_loses_nothing(cluster: Cluster) -> None:
     assert cluster.solves_of(job_id) == 1
 
 
+def test_any_replica_lists_the_jobs_newest_first(cluster: Cluster) -> None:
+    graph = layered(6, 4, name="listed")
+    ids = [post(cluster.apis[i % 2], "/v1/jobs", body(graph, 10**9 + i)).json()["id"]
+           for i in range(3)]
+    for job_id in ids:
+        finished(cluster.apis[0], job_id)
+    with cluster.apis[1].client() as client:
+        listing = client.get("/v1/jobs", params={"limit": 2}).json()
+        assert [job["id"] for job in listing["jobs"]] == ids[:0:-1]
+        rest = client.get("/v1/jobs", params={"limit": 2, "cursor": listing["next_cursor"]})
+    assert rest.json()["jobs"][0]["id"] == ids[0]
+    assert listing["jobs"][0]["status"] == job_of(cluster.apis[0], ids[2])["status"]
+
+
 def test_a_redis_restart_keeps_every_finished_result(cluster: Cluster) -> None:
     graph = layered(8, 6, name="durable")
     requests = [body(graph, max_useful_budget(graph) * k // 4, time_limit_s=10) for k in (1, 2, 3)]

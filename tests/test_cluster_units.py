@@ -1,4 +1,5 @@
-"""Cluster-mode pieces that need no Redis: settings, the outcome codec, timeouts, the CLI."""
+"""Cluster-mode pieces that need no Redis: settings, timeouts, the CLI. (The outcome codec
+both stores share is tested in test_service_core.py.)"""
 
 from __future__ import annotations
 
@@ -8,37 +9,10 @@ import sys
 
 import pytest
 
-from optiremat.service.cluster_store import (
-    JOB_TIMEOUT_MARGIN_S,
-    decode_outcome,
-    encode_outcome,
-    job_timeout_s,
-    queue_name,
-    reusable,
-)
-from optiremat.service.config import Settings, redact_url
-from optiremat.service.pool import Cancelled
-from optiremat.service.worker import BudgetRange, Failed, Infeasible, Solved, solver_version
+from optiremat.service.core.config import Settings, redact_url
+from optiremat.service.core.redis_store import JOB_TIMEOUT_MARGIN_S, job_timeout_s, queue_name
+from optiremat.service.core.tasks import solver_version
 from tests.service_harness import REPO
-
-OUTCOMES = [
-    Solved('{"status": "optimal", "b": [1, 2]}'),
-    Infeasible(10, 4096),
-    BudgetRange(4096, 65536),
-    Failed("the worker died"),
-    Cancelled(None),
-    Cancelled(Solved('{"status": "feasible"}')),
-]
-
-
-@pytest.mark.parametrize("outcome", OUTCOMES, ids=lambda o: type(o).__name__)
-def test_outcomes_survive_redis_unchanged(outcome: object) -> None:
-    assert decode_outcome(encode_outcome(outcome).encode()) == outcome  # type: ignore[arg-type]
-
-
-def test_only_runs_that_answered_are_joined_rather_than_restarted() -> None:
-    assert reusable(None)  # still going
-    assert [reusable(o) for o in OUTCOMES] == [True, False, True, False, False, False]
 
 
 def test_the_queue_outlasts_the_solver_time_limit() -> None:
@@ -50,12 +24,14 @@ def test_the_queue_outlasts_the_solver_time_limit() -> None:
 
 def test_cluster_settings_come_from_optiremat_variables(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("OPTIREMAT_REDIS_URL", "redis://:secret@redis:6379/2")
-    monkeypatch.setenv("OPTIREMAT_RESULT_TTL_S", "3600")
+    monkeypatch.setenv("OPTIREMAT_RESULT_TTL_S", "3600")  # the TTL's first name still counts
     monkeypatch.setenv("OPTIREMAT_JOB_RETRIES", "0")
     settings = Settings()
     assert settings.redis_url == "redis://:secret@redis:6379/2"
-    assert (settings.result_ttl_s, settings.job_retries, settings.worker_heartbeat_s) == (
+    assert (settings.store_ttl_s, settings.job_retries, settings.worker_heartbeat_s) == (
         3600, 0, 5)
+    monkeypatch.setenv("OPTIREMAT_STORE_TTL_S", "7200")
+    assert Settings().store_ttl_s == 7200
     assert redact_url(settings.redis_url) == "redis://:***@redis:6379/2"
     monkeypatch.delenv("OPTIREMAT_REDIS_URL")
     assert Settings().redis_url is None  # embedded by default

@@ -118,6 +118,9 @@ def test_a_job_runs_to_its_solution_and_resubmitting_finds_it(client: httpx.Clie
         sync.json()).fingerprint()
     finished = client.post("/v1/jobs", json=body(graph, budget, time_limit_s=20))
     assert finished.status_code == 200 and finished.json()["id"] == job["id"]
+    # without API keys every job is listed, newest first
+    listed = client.get("/v1/jobs", params={"status": "succeeded"}).json()["jobs"]
+    assert listed[0]["id"] == job["id"] and listed[0]["status"] == "succeeded"
 
 
 def test_the_job_id_is_the_request_hash(client: httpx.Client) -> None:

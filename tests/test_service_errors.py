@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import gzip
 import json
+import time
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -23,8 +25,16 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
 
 
 @pytest.fixture(scope="module")
-def keyed_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
-    yield from running_server(tmp_path_factory, workers="1", api_keys="alpha-key, beta-key")
+def key_file(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    path = tmp_path_factory.mktemp("secret") / "api-keys"
+    path.write_text("# one key a line\nfile-key-1\n")
+    return path
+
+
+@pytest.fixture(scope="module")
+def keyed_server(tmp_path_factory: pytest.TempPathFactory, key_file: Path) -> Iterator[Server]:
+    yield from running_server(tmp_path_factory, workers="1", api_keys="alpha-key, beta-key",
+                              api_keys_file=str(key_file), metrics_require_key="true")
 
 
 def graph_json(**changes: Any) -> dict[str, Any]:
@@ -129,18 +139,45 @@ def test_a_missing_or_wrong_api_key_is_401(keyed_server: Server) -> None:
                             headers={"Authorization": "Bearer gamma-key"})
         assert_problem(wrong, 401, ["not valid"])
         assert missing["type"] == "about:blank"
-        for key in ("alpha-key", "beta-key"):
+        for key in ("alpha-key", "beta-key", "file-key-1"):
             ok = client.post("/v1/solve", json=request, headers={"Authorization": f"Bearer {key}"})
             assert ok.status_code == 200, ok.text
         assert_problem(client.get("/v1/jobs/" + "0" * 64), 401, [])
-        # probes and metrics stay open for the orchestrator and the scraper
-        for path in ("/healthz", "/readyz", "/metrics"):
+        # probes stay open for the orchestrator; metrics, as configured, need a key
+        for path in ("/healthz", "/readyz"):
             assert client.get(path).status_code == 200
+        assert_problem(client.get("/metrics"), 401, ["API key"])
+        scraped = client.get("/metrics", headers={"Authorization": "Bearer file-key-1"})
+        assert scraped.status_code == 200 and "optiremat_cache_hits_total" in scraped.text
+
+
+def test_a_rotated_key_file_takes_effect_without_a_restart(keyed_server: Server,
+                                                           key_file: Path) -> None:
+    request = body(chain(4, name="rotation"), 10**6)
+
+    def status(key: str) -> int:
+        with keyed_server.client() as client:
+            return client.post("/v1/solve", json=request,
+                               headers={"Authorization": f"Bearer {key}"}).status_code
+
+    assert (status("file-key-1"), status("file-key-2")) == (200, 401)
+    key_file.write_text("file-key-2\n")  # what a Secret update does to the mounted file
+    deadline = time.monotonic() + 10
+    while status("file-key-2") != 200:
+        assert time.monotonic() < deadline, "the new key was not taken"
+        time.sleep(0.2)
+    assert status("file-key-1") == 401 and status("alpha-key") == 200
 
 
 def test_the_error_log_line_carries_the_request_id(server: Server) -> None:
     with server.client() as client:
         rid = client.post("/v1/solve", content=b"{",
                           headers={"Content-Type": "application/json"}).headers["X-Request-ID"]
-    lines = [json.loads(x) for x in server.log().splitlines() if rid in x]
-    assert len(lines) == 1 and lines[0]["status"] == 400
+
+    def lines() -> list[dict[str, Any]]:
+        return [json.loads(x) for x in server.log().splitlines() if rid in x]
+
+    deadline = time.monotonic() + 5  # the line is written once the answer has gone out
+    while not lines() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert len(lines()) == 1 and lines()[0]["status"] == 400

@@ -18,9 +18,9 @@ from schemathesis.specs.openapi.checks import (
     status_code_conformance,
 )
 
-from optiremat.service.config import Settings
-from optiremat.service.main import create_app
-from optiremat.service.openapi import render
+from optiremat.service.api.main import create_app
+from optiremat.service.api.openapi import render
+from optiremat.service.core.config import Settings
 from tests.service_harness import REPO, Server, running_server
 
 OPENAPI = REPO / "openapi.json"
@@ -35,9 +35,9 @@ def test_openapi_json_is_the_apps_schema() -> None:
 def test_the_service_never_imports_jax() -> None:
     code = (
         "import sys\n"
-        "import optiremat.service.main, optiremat.service.worker, optiremat.service.openapi\n"
-        "from service.config import Settings\n"
-        "optiremat.service.main.create_app(Settings()).openapi()\n"
+        "import optiremat.service.api.main, optiremat.service.core.pool_worker\n"
+        "from optiremat.service.core.config import Settings\n"
+        "optiremat.service.api.main.create_app(Settings()).openapi()\n"
         "import optiremat, optiremat.solver\n"
         "print(sorted(m for m in sys.modules if m == 'jax' or m.startswith('jax.')))\n"
     )

@@ -46,6 +46,25 @@ class Metrics:
         self.busy_workers = Gauge(
             "optiremat_busy_workers", "Worker processes running a task", registry=r,
         )
+        self.rejected = Counter(
+            "optiremat_rejected_requests",
+            "Requests turned away: over a client's rate limit (rate_limit), or with the queue "
+            "at OPTIREMAT_MAX_QUEUED_JOBS (queue_full)", ["reason"], registry=r,
+        )
+        self.store_bytes = Gauge(
+            "optiremat_store_bytes",
+            "Bytes the store takes: the SQLite files on disk, or Redis' used memory", registry=r,
+        )
+        self.store_max_bytes = Gauge(
+            "optiremat_store_max_bytes",
+            "The store's bound: OPTIREMAT_STORE_MAX_BYTES, or Redis' maxmemory (0: none)",
+            registry=r,
+        )
+        self.store_evictions = Counter(
+            "optiremat_store_evictions",
+            "Entries dropped from the store: unused past the TTL (ttl) or least recently used "
+            "past the size bound (size)", ["reason"], registry=r,
+        )
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

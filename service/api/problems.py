@@ -8,42 +8,21 @@ from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from pydantic import BaseModel, ConfigDict, Field
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.responses import Response
 
+from optiremat.service.core.errors import Unavailable
+from optiremat.service.core.models import (
+    INVALID_REQUEST,
+    SOLVE_CANCELLED,
+    Problem,
+    ValidationIssue,
+)
+from optiremat.service.core.outcome import Cancelled, Failed, Infeasible, Interrupted, Outcome
+
 PROBLEM_MEDIA_TYPE = "application/problem+json"
-# Problem types the service defines; docs/service.md explains each.
-INFEASIBLE_BUDGET = "urn:optiremat:problem:infeasible-budget"
-INVALID_REQUEST = "urn:optiremat:problem:invalid-request"
-GRAPH_TOO_LARGE = "urn:optiremat:problem:graph-too-large"
-SOLVE_CANCELLED = "urn:optiremat:problem:solve-cancelled"
-SOLVE_FAILED = "urn:optiremat:problem:solve-failed"
 
 log = logging.getLogger("optiremat.service")
-
-
-class ValidationIssue(BaseModel):
-    loc: list[str | int]
-    msg: str
-    type: str
-
-
-class Problem(BaseModel):
-    """A problem detail; extension members carry what a client needs to fix the request."""
-
-    model_config = ConfigDict(extra="allow")
-
-    type: str = "about:blank"
-    title: str
-    status: int
-    detail: str
-    instance: str | None = None
-    request_id: str | None = None
-    min_budget_bytes: int | None = Field(
-        default=None, description="For an infeasible budget: the smallest feasible one."
-    )
-    errors: list[ValidationIssue] | None = None
 
 
 class ProblemError(Exception):
@@ -55,6 +34,24 @@ class ProblemError(Exception):
         self.status, self.title, self.detail, self.type = status, title, detail, type
         self.headers = headers or {}
         self.extensions = extensions
+
+
+def raise_for_outcome(outcome: Outcome) -> None:
+    """Turn anything but a solution into the problem the client should see."""
+    if isinstance(outcome, Infeasible):
+        problem = Problem.infeasible(outcome.budget_bytes, outcome.min_budget_bytes)
+    elif isinstance(outcome, Failed):
+        problem = Problem.solve_failed(outcome.message)
+    elif isinstance(outcome, Cancelled):
+        raise ProblemError(409, "Solve cancelled",
+                           "an identical job was cancelled (DELETE /v1/jobs/{id}) while this "
+                           "request waited for it; send the request again", type=SOLVE_CANCELLED)
+    elif isinstance(outcome, Interrupted):
+        raise Unavailable("Shutting down", "the server is shutting down; retry shortly")
+    else:
+        return
+    raise ProblemError(problem.status, problem.title, problem.detail, type=problem.type,
+                       min_budget_bytes=problem.min_budget_bytes)
 
 
 def problem_body(status: int, title: str, detail: str, *, type: str = "about:blank",
@@ -80,8 +77,8 @@ def problem_response(status: int, title: str, detail: str, *,
 
 
 def problem_responses(*codes: int) -> dict[int | str, dict[str, Any]]:
-    """OpenAPI ``responses`` entries for error codes (``optiremat.service.openapi`` files them under
-    ``application/problem+json``)."""
+    """OpenAPI ``responses`` entries for error codes (``optiremat.service.api.openapi``
+    files them under ``application/problem+json``)."""
     descriptions = {
         400: "Malformed request (bad JSON, bad gzip)",
         401: "Missing or wrong API key",
@@ -90,8 +87,10 @@ def problem_responses(*codes: int) -> dict[int | str, dict[str, Any]]:
         413: "Body or graph over the configured limits",
         415: "Body is not JSON, or its Content-Encoding is not gzip",
         422: "Request fails validation, or the budget is infeasible",
+        429: "Over the client's rate limit; Retry-After says when to try again",
         500: "Internal error",
-        503: "Not ready, or shutting down",
+        503: "Unavailable for now (not ready, shutting down, the store down or full); "
+             "Retry-After says when to try again",
     }
     return {code: {"model": Problem, "description": descriptions[code]} for code in codes}
 
@@ -138,6 +137,13 @@ async def _on_problem(request: Request, exc: ProblemError) -> Response:
     )
 
 
+async def _on_unavailable(request: Request, exc: Unavailable) -> Response:
+    return problem_response(
+        503, exc.title, exc.detail, headers={"Retry-After": str(exc.retry_after_s)},
+        type=exc.type, request_id=_request_id(request), instance=request.url.path,
+    )
+
+
 async def _on_http_error(request: Request, exc: StarletteHTTPException) -> Response:
     titles = {404: "Not found", 405: "Method not allowed"}
     detail = exc.detail if isinstance(exc.detail, str) else json.dumps(exc.detail)
@@ -164,16 +170,17 @@ async def _on_unexpected(request: Request, exc: Exception) -> Response:
 def install_problem_handlers(app: FastAPI) -> None:
     app.add_exception_handler(RequestValidationError, _on_validation_error)  # type: ignore[arg-type]
     app.add_exception_handler(ProblemError, _on_problem)  # type: ignore[arg-type]
+    app.add_exception_handler(Unavailable, _on_unavailable)  # type: ignore[arg-type]
     app.add_exception_handler(StarletteHTTPException, _on_http_error)  # type: ignore[arg-type]
     app.add_exception_handler(Exception, _on_unexpected)
 
 
 __all__ = [
     "PROBLEM_MEDIA_TYPE",
-    "Problem",
     "ProblemError",
     "install_problem_handlers",
     "problem_body",
     "problem_response",
     "problem_responses",
+    "raise_for_outcome",
 ]

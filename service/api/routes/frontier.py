@@ -4,19 +4,19 @@ from __future__ import annotations
 
 from fastapi import APIRouter, Depends, Request
 
-from optiremat.service.deps import (
-    ManagerDep,
+from optiremat.service.api.deps import (
+    FrontDep,
     SettingsDep,
     cap_time_limit,
     check_graph_size,
+    limit_rate,
     parse_body,
     request_body,
     require_api_key,
 )
-from optiremat.service.models import Frontier, FrontierRequest
-from optiremat.service.problems import problem_responses
-from optiremat.service.routes.solve import raise_for_outcome
-from optiremat.service.solving import frontier as sweep
+from optiremat.service.api.models import FrontierRequest
+from optiremat.service.api.problems import problem_responses, raise_for_outcome
+from optiremat.service.core.models import Frontier
 
 router = APIRouter(prefix="/v1", tags=["frontier"], dependencies=[Depends(require_api_key)])
 
@@ -24,11 +24,12 @@ router = APIRouter(prefix="/v1", tags=["frontier"], dependencies=[Depends(requir
 @router.post(
     "/frontier",
     response_model=Frontier,
-    responses=problem_responses(400, 401, 409, 413, 415, 422, 500, 503),
+    responses=problem_responses(400, 401, 409, 413, 415, 422, 429, 500, 503),
     summary="Sweep budgets and return the trade-off curve",
     openapi_extra=request_body(FrontierRequest),
+    dependencies=[Depends(limit_rate)],
 )
-async def frontier(request: Request, settings: SettingsDep, manager: ManagerDep) -> Frontier:
+async def frontier(request: Request, settings: SettingsDep, front: FrontDep) -> Frontier:
     """Solve once per budget (each cached like ``/v1/solve``, with the same time-limit
     cap). With ``count``, budgets are spaced evenly from the smallest feasible budget to
     the largest useful one. Infeasible budgets come back as points with status
@@ -36,7 +37,7 @@ async def frontier(request: Request, settings: SettingsDep, manager: ManagerDep)
     body = await parse_body(FrontierRequest, await request.body())
     check_graph_size(body.graph, settings)
     options = cap_time_limit(body.options, settings.sync_time_limit_s)
-    result = await sweep(manager, body.graph, body.budgets, body.count, options)
+    result = await front.frontier(body.graph, body.budgets, body.count, options)
     if not isinstance(result, Frontier):
         raise_for_outcome(result)
         raise AssertionError(f"unexpected outcome {result!r}")

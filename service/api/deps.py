@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import asyncio
-import hmac
+import math
 from typing import Annotated, Any, TypeVar
 
 from fastapi import Depends, Request
@@ -11,9 +11,12 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from pydantic import BaseModel, ValidationError
 
-from optiremat.service.backend import SolveBackend
-from optiremat.service.config import Settings
-from optiremat.service.problems import GRAPH_TOO_LARGE, ProblemError
+from optiremat.service.api.keys import ApiKeys
+from optiremat.service.api.problems import ProblemError
+from optiremat.service.core.config import Settings
+from optiremat.service.core.front import Front
+from optiremat.service.core.limits import RateLimiter
+from optiremat.service.core.models import GRAPH_TOO_LARGE, RATE_LIMITED
 from optiremat.solver.graph import CostGraph
 from optiremat.solver.solution import SolveOptions
 
@@ -26,23 +29,28 @@ _bearer = HTTPBearer(
 
 
 def get_settings(request: Request) -> Settings:
-    return request.app.state.settings
+    settings: Settings = request.app.state.settings
+    return settings
 
 
-def get_manager(request: Request) -> SolveBackend:
-    return request.app.state.manager
+def get_front(request: Request) -> Front:
+    front: Front = request.app.state.front
+    return front
 
 
 SettingsDep = Annotated[Settings, Depends(get_settings)]
-ManagerDep = Annotated[SolveBackend, Depends(get_manager)]
+FrontDep = Annotated[Front, Depends(get_front)]
 
 
 async def require_api_key(
     request: Request,
     credentials: Annotated[HTTPAuthorizationCredentials | None, Depends(_bearer)],
 ) -> None:
-    keys = get_settings(request).api_keys
-    if not keys:
+    """With keys configured, a valid bearer key; its ``key_id`` becomes
+    ``request.state.owner`` (None with authentication off)."""
+    keys: ApiKeys = request.app.state.api_keys
+    request.state.owner = None
+    if not keys.enabled:
         return
     if credentials is None:
         raise ProblemError(
@@ -50,13 +58,42 @@ async def require_api_key(
             "this server requires an API key: send the header 'Authorization: Bearer <key>'",
             headers={"WWW-Authenticate": "Bearer"},
         )
-    offered = credentials.credentials.encode()
-    # compare_digest against every key: the time taken does not reveal which prefix matched
-    if not any([hmac.compare_digest(offered, key.encode()) for key in keys]):
+    request.state.owner = keys.owner(credentials.credentials)
+    if request.state.owner is None:
         raise ProblemError(
             401, "Unauthorized", "the API key is not valid for this server",
             headers={"WWW-Authenticate": 'Bearer error="invalid_token"'},
         )
+
+
+async def require_metrics_key(
+    request: Request,
+    credentials: Annotated[HTTPAuthorizationCredentials | None, Depends(_bearer)],
+) -> None:
+    """An API key for /metrics when ``OPTIREMAT_METRICS_REQUIRE_KEY`` is set."""
+    if get_settings(request).metrics_require_key:
+        await require_api_key(request, credentials)
+
+
+async def limit_rate(request: Request) -> None:
+    """Count a request that may start solver work against its client's rate limit: its
+    API key (by key id), or its address with keys off."""
+    limiter: RateLimiter | None = request.app.state.rate_limiter
+    if limiter is None:
+        return
+    owner = request.state.owner
+    address = request.client.host if request.client else "unknown"
+    client = f"key {owner}" if owner else f"address {address}"
+    wait_s = await limiter.wait_s(client)
+    if wait_s > 0:
+        request.app.state.metrics.rejected.labels(reason="rate_limit").inc()
+        retry_after = math.ceil(wait_s)
+        raise ProblemError(
+            429, "Too many requests",
+            f"this client ({client}) sent more than {get_settings(request).rate_limit_per_minute}"
+            " requests a minute that may start a solve (OPTIREMAT_RATE_LIMIT_PER_MINUTE; "
+            f"answers from the cache do not count); retry in {retry_after} s",
+            type=RATE_LIMITED, headers={"Retry-After": str(retry_after)})
 
 
 def check_graph_size(graph: CostGraph, settings: Settings) -> None:

@@ -1,17 +1,16 @@
-"""Request and response bodies of the REST API; graph and solution models come from solver/."""
+"""Request bodies of the REST API, and its health answer. Graph and solution models come
+from solver/; the resources the run layer returns (jobs, frontiers) from
+``optiremat.service.core.models``."""
 
 from __future__ import annotations
 
-from datetime import datetime
-from enum import StrEnum
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, model_validator
 
-from optiremat.service.problems import Problem
 from optiremat.solver.graph import CostGraph, GraphBuilder
 from optiremat.solver.peak import resolve_memory
-from optiremat.solver.solution import Solution, SolveOptions, SolveStatus
+from optiremat.solver.solution import SolveOptions
 
 NonNegInt = Annotated[StrictInt, Field(ge=0)]
 MAX_FRONTIER_POINTS = 64
@@ -51,40 +50,6 @@ class SolveRequest(BaseModel):
         return self
 
 
-class JobStatus(StrEnum):
-    QUEUED = "queued"
-    RUNNING = "running"
-    SUCCEEDED = "succeeded"
-    FAILED = "failed"
-    CANCELLED = "cancelled"
-
-
-class Progress(BaseModel):
-    """The solver's latest report: best plan found so far and the proven bound."""
-
-    incumbent_flops: int | None = None
-    bound_flops: int | None = None
-    elapsed_s: float = 0.0
-
-
-class Job(BaseModel):
-    """A background solve. ``id`` is the request hash, so resubmitting finds the same job."""
-
-    id: str
-    status: JobStatus
-    graph_hash: str
-    budget_bytes: int
-    options: SolveOptions
-    created_at: datetime
-    updated_at: datetime
-    progress: Progress | None = None
-    solution: Solution | None = Field(
-        default=None,
-        description="When succeeded; when cancelled, the best plan found before the cancel.",
-    )
-    error: Problem | None = Field(default=None, description="When failed: what went wrong.")
-
-
 class FrontierRequest(BaseModel):
     """A budget sweep: explicit ``budgets``, or ``count`` evenly spaced feasible ones."""
 
@@ -111,35 +76,5 @@ class FrontierRequest(BaseModel):
         return self
 
 
-class FrontierPoint(BaseModel):
-    budget_bytes: int
-    status: SolveStatus
-    residual_bytes: int | None = None
-    peak_bytes: int | None = Field(
-        default=None, description="The predicted peak of the training step (a step's graph)."
-    )
-    recompute_flops: int | None = None
-    pareto: bool = Field(
-        default=False, description="No other point has both fewer bytes and fewer FLOPs."
-    )
-    min_budget_bytes: int | None = Field(
-        default=None, description="For an infeasible budget: the smallest feasible one."
-    )
-
-
-class Frontier(BaseModel):
-    graph_hash: str
-    options: SolveOptions
-    min_feasible_budget: int | None = Field(default=None, description="Set when count was given.")
-    max_useful_budget: int | None = Field(default=None, description="Set when count was given.")
-    points: list[FrontierPoint]
-
-
 class Health(BaseModel):
     status: Literal["ok"] = "ok"
-
-
-class Readiness(BaseModel):
-    status: Literal["ready"] = "ready"
-    workers: int
-    queue_depth: int

@@ -1,4 +1,4 @@
-"""Worker processes that run solver calls so the event loop never blocks.
+"""Worker processes that run tasks so the event loop never blocks.
 
 Each worker is a long-lived spawned process (warm imports) with its own pipe and
 its own cancel ``Event``: setting the event reaches the solve running there, and
@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import logging
 import multiprocessing
 import time
@@ -19,52 +18,30 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from multiprocessing.context import SpawnProcess
 from multiprocessing.synchronize import Event
-from typing import Any
 
-from optiremat.service.metrics import Metrics
-from optiremat.service.worker import (
+from optiremat.service.core.metrics import Metrics
+from optiremat.service.core.models import Progress
+from optiremat.service.core.outcome import (
+    Cancelled,
     Failed,
     Infeasible,
-    ProgressReport,
-    Ready,
+    Interrupted,
+    Outcome,
     Solved,
-    WorkerResult,
-    worker_main,
+    TaskResult,
 )
-from optiremat.solver.solution import SolveStatus
+from optiremat.service.core.pool_worker import Ready, worker_main
+from optiremat.service.core.tasks import SolveTask, Task
 
 log = logging.getLogger("optiremat.service")
 
 
-@dataclass(frozen=True)
-class Cancelled:
-    """The task was cancelled; ``partial`` is what the worker returned after the cancel."""
-
-    partial: WorkerResult | None
-
-
-@dataclass(frozen=True)
-class Interrupted:
-    """The server shut down before the task finished."""
-
-
-Outcome = WorkerResult | Cancelled | Interrupted
-
-
-def settled(outcome: Outcome) -> Outcome:
-    """A cancel that landed after the solver proved optimality changes nothing: the
-    proven plan is the request's answer, cached like any other."""
-    if (isinstance(outcome, Cancelled) and isinstance(outcome.partial, Solved)
-            and json.loads(outcome.partial.solution_json)["status"] == SolveStatus.OPTIMAL):
-        return outcome.partial
-    return outcome
-
-
 @dataclass(eq=False)
-class Task:
-    kind: str  # "solve" | "budget_range", see service.worker
-    payload: dict[str, Any]
-    on_progress: Callable[[ProgressReport], None] | None = None
+class PoolTask:
+    task: Task
+    graph_json: str
+    on_progress: Callable[[Progress], None] | None = None
+    on_start: Callable[[], None] | None = None  # when a worker takes it
     future: asyncio.Future[Outcome] = field(init=False)
     cancel_requested: bool = field(default=False, init=False)
     worker: _Worker | None = field(default=None, init=False)
@@ -107,10 +84,10 @@ class WorkerPool:
     def __init__(self, size: int, metrics: Metrics) -> None:
         self.size = size
         self._metrics = metrics
-        self._queue: asyncio.Queue[Task] = asyncio.Queue()
+        self._queue: asyncio.Queue[PoolTask] = asyncio.Queue()
         self._workers: list[_Worker] = []
         self._slots: list[asyncio.Task[None]] = []
-        self._running: set[Task] = set()
+        self._running: set[PoolTask] = set()
         # One thread per worker does the blocking pipe I/O.
         self._io = ThreadPoolExecutor(max_workers=size, thread_name_prefix="optiremat-pipe")
         self._stopping = False
@@ -124,10 +101,15 @@ class WorkerPool:
         return self._queue.qsize()
 
     @property
+    def running(self) -> int:
+        """Tasks a worker is on."""
+        return len(self._running)
+
+    @property
     def ready_workers(self) -> int:
         return sum(w.ready and w.process.is_alive() for w in self._workers)
 
-    def submit(self, task: Task) -> asyncio.Future[Outcome]:
+    def submit(self, task: PoolTask) -> asyncio.Future[Outcome]:
         task.future = asyncio.get_running_loop().create_future()
         if self._stopping:
             task.future.set_result(Interrupted())
@@ -136,7 +118,7 @@ class WorkerPool:
         self._metrics.queue_depth.set(self._queue.qsize())
         return task.future
 
-    def cancel(self, task: Task) -> None:
+    def cancel(self, task: PoolTask) -> None:
         """Cancel a queued task at once; ask a running one to stop and keep its incumbent."""
         if task.future.done():
             return
@@ -144,7 +126,7 @@ class WorkerPool:
         if task.worker is not None:
             task.worker.cancel.set()
         else:  # still queued: the slot that dequeues it skips it
-            task.future.set_result(Cancelled(None))
+            task.future.set_result(Cancelled())
 
     async def _serve(self, slot: int) -> None:
         loop = asyncio.get_running_loop()
@@ -159,17 +141,18 @@ class WorkerPool:
                 continue
             worker.cancel.clear()
             task.worker = worker
+            if task.on_start is not None:
+                task.on_start()
             self._running.add(task)
             self._metrics.busy_workers.inc()
             started = time.monotonic()
             try:
-                result: WorkerResult = await self._exchange(loop, worker, task)
+                result = await self._exchange(loop, worker, task)
             except (EOFError, OSError) as exc:
                 await loop.run_in_executor(None, worker.join, 1.0)
-                result = Failed(
+                result = Failed(message=(
                     f"the worker process exited during the task (exit code "
-                    f"{worker.process.exitcode}); the solver may have run out of memory"
-                )
+                    f"{worker.process.exitcode}); the solver may have run out of memory"))
                 log.error("worker %d died: %r", slot, exc)
                 if not self._stopping:
                     self._respawn(slot)
@@ -177,10 +160,11 @@ class WorkerPool:
                 self._running.discard(task)
                 self._metrics.busy_workers.dec()
                 task.worker = None
-            if task.kind == "solve":
+            if isinstance(task.task, SolveTask):
                 self._record_solve(result, task.cancel_requested, time.monotonic() - started)
             if not task.future.done():
-                task.future.set_result(Cancelled(result) if task.cancel_requested else result)
+                task.future.set_result(Cancelled(partial=result) if task.cancel_requested
+                                       else result)
 
     async def _ready_worker(self, loop: asyncio.AbstractEventLoop, slot: int) -> _Worker:
         """The slot's worker, replaced if it died, once it has imported the solver."""
@@ -199,17 +183,18 @@ class WorkerPool:
                 await asyncio.sleep(1.0)  # do not spin when every start fails
 
     async def _exchange(self, loop: asyncio.AbstractEventLoop, worker: _Worker,
-                        task: Task) -> WorkerResult:
-        await loop.run_in_executor(self._io, worker.conn.send, (task.kind, task.payload))
+                        task: PoolTask) -> TaskResult:
+        await loop.run_in_executor(self._io, worker.conn.send, (task.task, task.graph_json))
         while True:
             message = await loop.run_in_executor(self._io, worker.conn.recv)
-            if isinstance(message, ProgressReport):
+            if isinstance(message, Progress):
                 if task.on_progress is not None:
                     task.on_progress(message)
                 continue
-            return message
+            result: TaskResult = message
+            return result
 
-    def _record_solve(self, result: WorkerResult, cancelled: bool, seconds: float) -> None:
+    def _record_solve(self, result: TaskResult, cancelled: bool, seconds: float) -> None:
         if cancelled:
             outcome = "cancelled"
         elif isinstance(result, Solved):

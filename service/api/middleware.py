@@ -15,8 +15,9 @@ import zlib
 from collections.abc import Awaitable, Callable, MutableMapping
 from typing import Any
 
-from optiremat.service.metrics import Metrics
-from optiremat.service.problems import INVALID_REQUEST, problem_body
+from optiremat.service.api.problems import problem_body
+from optiremat.service.core.metrics import Metrics
+from optiremat.service.core.models import INVALID_REQUEST
 
 Scope = MutableMapping[str, Any]
 Message = MutableMapping[str, Any]
@@ -31,7 +32,7 @@ _CLIENT_REQUEST_ID = re.compile(r"^[A-Za-z0-9._-]{1,128}$")
 def _header(scope: Scope, name: bytes) -> str | None:
     for key, value in scope.get("headers", ()):
         if key.lower() == name:
-            return value.decode("latin-1")
+            return str(value.decode("latin-1"))
     return None
 
 

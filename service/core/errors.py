@@ -1,0 +1,28 @@
+"""Failures the run layer reports to the HTTP layer, which answers them as problems."""
+
+from __future__ import annotations
+
+from optiremat.service.core.models import QUEUE_FULL
+
+# A queue at its bound drains one solve at a time; asking again after about a short
+# solve's time is neither a stampede nor a long wait.
+QUEUE_FULL_RETRY_S = 10
+
+
+class Unavailable(Exception):
+    """Something the service needs is down, full or stopping: answered ``503`` with
+    ``Retry-After``. Nothing of the request was recorded."""
+
+    def __init__(self, title: str, detail: str, retry_after_s: int = 5, *,
+                 type: str = "about:blank") -> None:
+        super().__init__(detail)
+        self.title, self.detail, self.retry_after_s = title, detail, retry_after_s
+        self.type = type
+
+
+def queue_full(queued: int, limit: int) -> Unavailable:
+    return Unavailable(
+        "Queue full",
+        f"{queued} solves are waiting for a worker, the most this server queues "
+        f"(OPTIREMAT_MAX_QUEUED_JOBS={limit}); retry later",
+        QUEUE_FULL_RETRY_S, type=QUEUE_FULL)

@@ -1,0 +1,325 @@
+"""The front of the run layer: request hashes, the body memo, the cache, single-flight,
+job views and the frontier sweep, the same over either executor.
+
+Every solver call is identified by a request hash (``tasks``). A call goes: this
+process's flights (an identical call already waited on here: join it) -> the store
+(answered before: serve it) -> ``Executor.ensure`` (join the run under way, in this
+process or, in cluster mode, anywhere; else start one) -> ``Executor.wait``. A
+flight ends only after the executor has recorded the outcome, so a caller either
+joins the run or finds its answer: identical requests never solve twice.
+
+A job is the same run, also recorded as a job under its request hash.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import contextlib
+import json
+from collections import OrderedDict
+from collections.abc import Callable, Coroutine
+from dataclasses import replace
+from datetime import UTC, datetime
+from typing import Any, TypeVar
+
+from optiremat.service.core.errors import Unavailable
+from optiremat.service.core.metrics import Metrics
+from optiremat.service.core.models import (
+    Frontier,
+    FrontierPoint,
+    Job,
+    JobPage,
+    JobStatus,
+    JobSummary,
+    Problem,
+    Readiness,
+)
+from optiremat.service.core.outcome import (
+    BudgetRange,
+    Cancelled,
+    Failed,
+    Infeasible,
+    Interrupted,
+    Outcome,
+    Solved,
+    reusable,
+)
+from optiremat.service.core.runs import Executor, JobRecord, Position, in_thread, job_status
+from optiremat.service.core.tasks import BudgetRangeTask, SolveTask, Task
+from optiremat.solver.frontier import SweepResult, mark_pareto, point_fields, spaced_budgets
+from optiremat.solver.graph import CostGraph
+from optiremat.solver.solution import InfeasibleBudgetError, Solution, SolveOptions
+
+T = TypeVar("T")
+BODY_MEMO_SIZE = 4096  # body digests remembered; 100 bytes each
+# When stopping, waiting requests are answered this long before the grace ends: time
+# for the answers to go out before the server cuts what is still open.
+_ANSWER_BEFORE_S = 1.0
+
+
+class BodyMemo:
+    """sha256 of a ``POST /v1/solve`` body -> its request hash, least recently used first.
+
+    Lets a repeated body be answered from the store without parsing it again; sound
+    because the request hash is a function of the body bytes (and of settings, fixed
+    for the process).
+    """
+
+    def __init__(self, size: int = BODY_MEMO_SIZE) -> None:
+        self._size = size
+        self._keys: OrderedDict[bytes, str] = OrderedDict()
+
+    def remember(self, body_digest: bytes, key: str) -> None:
+        self._keys[body_digest] = key
+        self._keys.move_to_end(body_digest)
+        if len(self._keys) > self._size:
+            self._keys.popitem(last=False)
+
+    def key_for(self, body_digest: bytes) -> str | None:
+        key = self._keys.get(body_digest)
+        if key is not None:
+            self._keys.move_to_end(body_digest)
+        return key
+
+
+def job_summary(record: JobRecord, status: JobStatus) -> JobSummary:
+    task = record.task
+    return JobSummary(
+        id=record.key, status=status, graph_hash=task.graph_hash,
+        budget_bytes=task.budget_bytes, options=task.options,
+        created_at=datetime.fromtimestamp(record.created_at, UTC),
+        updated_at=datetime.fromtimestamp(record.updated_at, UTC),
+        progress=record.progress,
+    )
+
+
+def job_view(record: JobRecord, outcome: Outcome | None, running: bool = False) -> Job:
+    """The API's Job: ``outcome`` is the record's, or the live run's once it ended."""
+    status = job_status(outcome, running)
+    solution = error = None
+    if outcome is not None:
+        if isinstance(outcome, Cancelled):
+            solution = outcome.partial if isinstance(outcome.partial, Solved) else None
+        elif isinstance(outcome, Solved):
+            solution = outcome
+        elif isinstance(outcome, Infeasible):
+            error = Problem.infeasible(outcome.budget_bytes, outcome.min_budget_bytes)
+        else:
+            error = Problem.solve_failed(
+                outcome.message if isinstance(outcome, Failed) else repr(outcome))
+    return Job(
+        **job_summary(record, status).model_dump(),
+        solution=None if solution is None else Solution.model_validate_json(solution.solution_json),
+        error=error,
+    )
+
+
+def encode_cursor(position: Position) -> str:
+    return base64.urlsafe_b64encode(json.dumps(position).encode()).decode().rstrip("=")
+
+
+def decode_cursor(cursor: str) -> Position:
+    try:
+        created_at, key = json.loads(base64.urlsafe_b64decode(cursor + "=" * (-len(cursor) % 4)))
+        return float(created_at), str(key)
+    except (ValueError, TypeError) as exc:
+        raise ValueError(f"{cursor!r} is not a cursor this server handed out") from exc
+
+
+class Front:
+    def __init__(self, executor: Executor, metrics: Metrics) -> None:
+        self._executor = executor
+        self._store = executor.store
+        self._metrics = metrics
+        self._flights: dict[str, asyncio.Future[Outcome]] = {}
+        self._tasks: set[asyncio.Task[None]] = set()
+        self._body_keys = BodyMemo()
+        self._draining = False
+
+    async def _read(self, fn: Callable[..., T], *args: Any) -> T:
+        return await in_thread(self._store, fn, *args)
+
+    def _spawn(self, coro: Coroutine[Any, Any, None]) -> None:
+        task = asyncio.create_task(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    # ---- lifecycle ----------------------------------------------------------
+
+    async def start(self) -> None:
+        await self._executor.start()
+
+    async def stop(self) -> None:
+        """Stop the executor; whoever still waits here is told the server stopped."""
+        await self._executor.stop()
+        self._interrupt_waiters()
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+
+    def drain(self, grace_s: float) -> None:
+        """The server is stopping (SIGTERM) and answers what is open within ``grace_s``:
+        not ready from now on, and whoever still waits on a solve when the grace is
+        nearly over is answered that the server stopped (503), not cut off."""
+        self._draining = True
+        asyncio.get_running_loop().call_later(max(0.0, grace_s - _ANSWER_BEFORE_S),
+                                              self._interrupt_waiters)
+
+    def _interrupt_waiters(self) -> None:
+        for future in self._flights.values():
+            if not future.done():
+                future.set_result(Interrupted())
+
+    async def readiness(self) -> Readiness:
+        if self._draining:
+            raise Unavailable("Not ready", "the server is shutting down")
+        return await self._executor.readiness()
+
+    # ---- answers --------------------------------------------------------------
+
+    def _flight(self, task: Task, graph: CostGraph) -> asyncio.Future[Outcome]:
+        future = self._flights.get(task.key)
+        if future is not None:
+            self._metrics.coalesced.inc()
+            return future
+        future = asyncio.get_running_loop().create_future()
+        # Retrieve an exception nobody awaited (every client hung up) so it is not logged.
+        future.add_done_callback(lambda f: f.cancelled() or f.exception())
+        self._flights[task.key] = future
+        self._spawn(self._fly(task, graph, future))
+        return future
+
+    async def _fly(self, task: Task, graph: CostGraph, future: asyncio.Future[Outcome]) -> None:
+        try:
+            outcome = await self._resolve(task, graph)
+            if not future.done():
+                future.set_result(outcome)
+        except Exception as exc:  # e.g. the store is down: every waiter hears it
+            if not future.done():
+                future.set_exception(exc)
+        finally:
+            if self._flights.get(task.key) is future:
+                del self._flights[task.key]
+
+    async def _resolve(self, task: Task, graph: CostGraph) -> Outcome:
+        stored = await self._read(self._store.get_answer, task.key)
+        if stored is not None:
+            self._metrics.cache_hits.inc()
+            return stored
+        if await self._executor.ensure(task, graph, job=False):
+            self._metrics.coalesced.inc()  # a run this process did not start
+        outcome = await self._executor.wait(task.key)
+        assert outcome is not None
+        return outcome
+
+    async def solve(self, graph: CostGraph, budget_bytes: int, options: SolveOptions,
+                    *, body_digest: bytes | None = None) -> Outcome:
+        """The answer for this request; ``body_digest`` lets ``stored_answer`` find it
+        again from the raw body alone."""
+        task = SolveTask(graph_hash=graph.content_hash, budget_bytes=budget_bytes,
+                         options=options)
+        if body_digest is not None:
+            self._body_keys.remember(body_digest, task.key)
+        # shield: a client that hangs up must not cancel a run others may be waiting on
+        return await asyncio.shield(self._flight(task, graph))
+
+    async def stored_answer(self, body_digest: bytes) -> Outcome | None:
+        """The stored answer for a body ``solve`` has seen, without parsing it again."""
+        key = self._body_keys.key_for(body_digest)
+        if key is None:
+            return None
+        stored = await self._read(self._store.get_answer, key)
+        if stored is not None:
+            self._metrics.cache_hits.inc()
+        return stored
+
+    async def frontier(self, graph: CostGraph, budgets: list[int] | None, count: int | None,
+                       options: SolveOptions) -> Frontier | Outcome:
+        """The sweep, or the outcome that stopped it (cancelled, interrupted, failed).
+
+        Each point is one ``solve``, so it is cached and single-flight like
+        ``POST /v1/solve``.
+        """
+        low = high = None
+        if budgets is None:
+            assert count is not None
+            task = BudgetRangeTask(graph_hash=graph.content_hash, tie=options.tie)
+            span = await asyncio.shield(self._flight(task, graph))
+            if not isinstance(span, BudgetRange):
+                return span
+            low, high = span.min_feasible_budget, span.max_useful_budget
+            budgets = spaced_budgets(low, high, count)
+        budgets = sorted(set(budgets))
+        outcomes = await asyncio.gather(*(self.solve(graph, b, options) for b in budgets))
+        points = []
+        for budget, outcome in zip(budgets, outcomes, strict=True):
+            if isinstance(outcome, Infeasible):
+                result: SweepResult = InfeasibleBudgetError(budget, outcome.min_budget_bytes)
+            elif isinstance(outcome, Solved):
+                result = Solution.model_validate_json(outcome.solution_json)
+            else:
+                return outcome
+            points.append(FrontierPoint(**point_fields(budget, result)))
+        mark_pareto(points)
+        return Frontier(graph_hash=graph.content_hash, options=options, min_feasible_budget=low,
+                        max_useful_budget=high, points=points)
+
+    # ---- jobs -----------------------------------------------------------------
+
+    async def submit_job(self, graph: CostGraph, budget_bytes: int, options: SolveOptions,
+                         owner: str | None = None) -> Job:
+        """The job for this request: the existing one, or a new (or restarted) one when
+        there is none or it failed or was cancelled. ``owner`` (an API key's id) sees it
+        in its listing from now on, whoever submitted it first."""
+        task = SolveTask(graph_hash=graph.content_hash, budget_bytes=budget_bytes,
+                         options=options)
+        record = await self._read(self._store.get_job, task.key)
+        if record is None or not reusable(record.outcome):
+            await self._executor.ensure(task, graph, job=True)
+            record = await self._read(self._store.get_job, task.key)
+            assert record is not None, "ensure(job=True) records the job"
+        if owner is not None:
+            await self._read(self._store.add_owner, record, owner)
+        return await self._view(record)
+
+    async def list_jobs(self, owner: str | None, status: JobStatus | None, limit: int,
+                        cursor: str | None = None) -> JobPage:
+        """Jobs newest first (``owner``'s only, unless None). Raises ``ValueError`` for a
+        cursor this server did not hand out."""
+        after = None if cursor is None else decode_cursor(cursor)
+        records, position = await self._read(self._store.list_jobs, owner, status, after,
+                                             limit)
+        summaries = []
+        for record in records:
+            record, outcome, running = await self._live(record)
+            summaries.append(job_summary(record, job_status(outcome, running)))
+        return JobPage(jobs=summaries,
+                       next_cursor=None if position is None else encode_cursor(position))
+
+    async def get_job(self, job_id: str) -> Job | None:
+        record = await self._read(self._store.get_job, job_id)
+        return None if record is None else await self._view(record)
+
+    async def cancel_job(self, job_id: str, wait_s: float = 5.0) -> Job | None:
+        """Cancel a queued or running job and wait (briefly) for it to settle."""
+        record = await self._read(self._store.get_job, job_id)
+        if record is None:
+            return None
+        if record.outcome is None:
+            await self._executor.cancel(job_id)
+            with contextlib.suppress(Unavailable):  # the store went away: report it as it is
+                await self._executor.wait(job_id, timeout_s=wait_s)
+        return await self.get_job(job_id)
+
+    async def _live(self, record: JobRecord) -> tuple[JobRecord, Outcome | None, bool]:
+        """(record, outcome, running): while unfinished, the live run is the truth."""
+        if record.outcome is not None:
+            return record, record.outcome, False
+        live = await self._executor.live(record.key)
+        if live.progress is not None:
+            record = replace(record, progress=live.progress)
+        return record, live.outcome, live.running
+
+    async def _view(self, record: JobRecord) -> Job:
+        return job_view(*await self._live(record))

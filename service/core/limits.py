@@ -1,0 +1,64 @@
+"""Rate limits: how many requests a client may send a minute, and how long to wait.
+
+The algorithm is GCRA (the generic cell rate algorithm): a client's state is one
+number, the theoretical arrival time (TAT) of its next request. Each request moves
+it on by the emission interval (a minute over the limit); a request is turned away
+while the TAT runs further ahead of now than the tolerance, a minute's worth of
+requests. So a client may send ``per_minute`` requests at once, then one each
+interval, and the answer to one sent too early says how long to wait.
+
+``MemoryRateLimiter`` keeps the TATs in this process (embedded: one process
+serves). Cluster mode keeps them in Redis (``redis_store.RedisRateLimiter``), so
+that every API replica counts against the same limit.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Protocol
+
+# TATs that have fallen behind now are forgotten once this many clients are known.
+_FORGET_AFTER = 10_000
+
+
+@dataclass(frozen=True)
+class Gcra:
+    per_minute: int
+
+    @property
+    def interval_s(self) -> float:
+        return 60.0 / self.per_minute
+
+    @property
+    def tolerance_s(self) -> float:
+        return 60.0 - self.interval_s  # a minute's worth, the first one included
+
+    def step(self, tat: float | None, now: float) -> tuple[float, float]:
+        """(the TAT after a request at ``now``, seconds to wait: 0 when it is allowed)."""
+        tat = now if tat is None or tat < now else tat
+        wait = tat - now - self.tolerance_s
+        if wait > 0:
+            return tat, wait
+        return tat + self.interval_s, 0.0
+
+
+class RateLimiter(Protocol):
+    async def wait_s(self, client: str) -> float:
+        """Count a request from ``client``: 0 when it may go ahead, else the seconds
+        until it may."""
+
+
+class MemoryRateLimiter:
+    def __init__(self, per_minute: int, clock: Callable[[], float] = time.monotonic) -> None:
+        self._gcra = Gcra(per_minute)
+        self._clock = clock
+        self._tats: dict[str, float] = {}
+
+    async def wait_s(self, client: str) -> float:
+        now = self._clock()
+        if len(self._tats) > _FORGET_AFTER:  # a fresh TAT is as good as a stale one
+            self._tats = {c: tat for c, tat in self._tats.items() if tat > now}
+        self._tats[client], wait = self._gcra.step(self._tats.get(client), now)
+        return wait
