@@ -140,16 +140,17 @@ def tiny_filesystem(size: str, at: Path) -> list[str]:
     in a mount namespace of its own (a user namespace makes that work without root).
     The test reaches the file system through /proc/<pid>/root."""
     unshare = shutil.which("unshare")
-    usable = unshare is not None and subprocess.run(
-        [unshare, "--user", "--map-root-user", "--mount", "true"],
-        capture_output=True).returncode == 0
-    if not usable:
+    # Root needs only a mount namespace; anyone else a user namespace as well.
+    candidates = [["--mount"]] if os.geteuid() == 0 else []
+    candidates.append(["--user", "--map-root-user", "--mount"])
+    flags = next((f for f in candidates if unshare is not None and subprocess.run(
+        [unshare, *f, "true"], capture_output=True).returncode == 0), None)
+    if unshare is None or flags is None:
         reason = "user and mount namespaces are not available (unshare, util-linux)"
         if os.environ.get("CI"):
             pytest.fail(reason)
         pytest.skip(reason)
-    assert unshare is not None
-    return [unshare, "--user", "--map-root-user", "--mount", "sh", "-c",
+    return [unshare, *flags, "sh", "-c",
             f'mount -t tmpfs -o size={size} optiremat-test "{at}" && exec "$@"', "sh"]
 
 
