@@ -11,16 +11,14 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from pydantic import BaseModel, ConfigDict, Field
-
-from optiremat.solver.baselines import policy_saves
+from optiremat.solver.baselines import BUILTIN_POLICIES, policy_saves
 from optiremat.solver.frontier import mark_pareto, point_fields, solve_budgets, spaced_budgets
 from optiremat.solver.graph import CostGraph
 from optiremat.solver.peak import BudgetView
 from optiremat.solver.semantics import baseline_backward_flops, evaluate
-from optiremat.solver.solution import SolveOptions, SolveStatus
 from optiremat.solver.solve import max_useful_budget, min_feasible_budget, resolve_options
 from optiremat.solver.step import Memory
+from optiremat.solver.wire import DEFAULT_FRONTIER_POINTS, Frontier, FrontierPoint
 
 __all__ = [
     "DEFAULT_POINTS",
@@ -34,40 +32,7 @@ __all__ = [
     "sweep",
 ]
 
-DEFAULT_POINTS = 12
-
-
-class FrontierPoint(BaseModel):
-    model_config = ConfigDict(extra="ignore")
-
-    budget_bytes: int
-    status: SolveStatus
-    residual_bytes: int | None = None
-    peak_bytes: int | None = None  # predicted peak of the training step (peak budgets)
-    recompute_flops: int | None = None
-    pareto: bool = False  # no other point has both fewer bytes and fewer FLOPs
-    min_budget_bytes: int | None = None  # infeasible budgets: the smallest feasible one
-
-    @property
-    def memory_bytes(self) -> int | None:
-        """What the budget counts: the predicted peak, or the residual bytes."""
-        return self.peak_bytes if self.peak_bytes is not None else self.residual_bytes
-
-
-class Frontier(BaseModel):
-    model_config = ConfigDict(extra="ignore")
-
-    graph_hash: str
-    options: SolveOptions
-    min_feasible_budget: int | None = None
-    max_useful_budget: int | None = None
-    points: list[FrontierPoint] = Field(default_factory=list)
-
-    @property
-    def plans(self) -> list[FrontierPoint]:
-        """Points with a plan, by the bytes their budget counts."""
-        return sorted((p for p in self.points if p.memory_bytes is not None),
-                      key=lambda p: (p.memory_bytes, p.recompute_flops))
+DEFAULT_POINTS = DEFAULT_FRONTIER_POINTS
 
 
 def sweep(graph: CostGraph, budgets: Sequence[int] | None = None,
@@ -117,12 +82,7 @@ def builtin_points(fun: Callable, *args: object) -> dict[str, PolicyPoint]:
     from optiremat.client.measure import backward_flops, residual_bytes
 
     policies = jax.checkpoint_policies
-    builtins = {
-        "everything_saveable": policies.everything_saveable,
-        "dots_saveable": policies.dots_saveable,
-        "dots_with_no_batch_dims_saveable": policies.dots_with_no_batch_dims_saveable,
-        "nothing_saveable": policies.nothing_saveable,
-    }
+    builtins = {name: getattr(policies, name) for name in BUILTIN_POLICIES}
     base = backward_flops(jax.checkpoint(fun, policy=policies.everything_saveable), *args)
     points = {}
     for name, policy in builtins.items():

@@ -20,15 +20,15 @@ from optiremat.client.frontier import (
     graph_builtin_points,
     sweep,
 )
+from optiremat.solver.baselines import BUILTIN_POLICIES
 
 FORMATS = (".png", ".svg")
-_MARKERS = {"everything_saveable": "s", "dots_saveable": "D",
-            "dots_with_no_batch_dims_saveable": "^", "nothing_saveable": "v"}
+_MARKERS = dict(zip(BUILTIN_POLICIES, "sD^v", strict=True))
 
 
-def plot_frontier(sweep: Frontier, path: str | Path, *,
+def plot_frontier(frontier: Frontier, path: str | Path, *,
                   builtins: Mapping[str, PolicyPoint] | None = None, title: str = "") -> Path:
-    """Draw ``sweep`` (and ``builtins``) into ``path``; returns the path written."""
+    """Draw ``frontier`` (and ``builtins``) into ``path``; returns the path written."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
     from matplotlib.ticker import FuncFormatter
@@ -40,7 +40,7 @@ def plot_frontier(sweep: Frontier, path: str | Path, *,
     FigureCanvasAgg(fig)
     ax = fig.add_subplot()
 
-    plans = sweep.plans
+    plans = frontier.plans
     builtins = dict(builtins or {})
     largest = max([p.memory_bytes or 0 for p in plans]
                   + [p.memory_bytes for p in builtins.values()] + [1])
@@ -55,8 +55,8 @@ def plot_frontier(sweep: Frontier, path: str | Path, *,
         ax.plot([(p.memory_bytes or 0) / scale for p in pareto],
                 [p.recompute_flops or 0 for p in pareto],
                 "o", color="tab:blue", markersize=5)
-    if sweep.min_feasible_budget is not None:
-        ax.axvspan(0, sweep.min_feasible_budget / scale, color="0.92", zorder=0,
+    if frontier.min_feasible_budget is not None:
+        ax.axvspan(0, frontier.min_feasible_budget / scale, color="0.92", zorder=0,
                    label="below the smallest feasible budget")
     for name, point in builtins.items():
         ax.plot(point.memory_bytes / scale, point.recompute_flops, _MARKERS.get(name, "x"),
@@ -70,7 +70,7 @@ def plot_frontier(sweep: Frontier, path: str | Path, *,
     ax.set_ylim(bottom=0)
     ax.grid(True, alpha=0.3)
     ax.legend(fontsize="small", loc="upper right")
-    ax.set_title(title or f"frontier of graph {sweep.graph_hash[:12]}", fontsize="medium")
+    ax.set_title(title or f"frontier of graph {frontier.graph_hash[:12]}", fontsize="medium")
     fig.savefig(path, format=path.suffix[1:].lower(), dpi=120)
     return path
 

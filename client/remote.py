@@ -15,57 +15,17 @@ from collections.abc import Callable
 from typing import Any
 
 import httpx
-from pydantic import BaseModel, ConfigDict
 
 from optiremat.client.errors import ConnectionFailed, JobCancelled, problem_error, response_error
-from optiremat.client.frontier import Frontier
 from optiremat.client.progress import job_progress
 from optiremat.client.transport import RetryTransport
 from optiremat.solver.graph import CostGraph
 from optiremat.solver.solution import Solution, SolveOptions
 from optiremat.solver.solve import resolve_options
 from optiremat.solver.units import parse_bytes
+from optiremat.solver.wire import DEFAULT_FRONTIER_POINTS, Frontier, Job
 
 GZIP_LEVEL = 6  # ~4x smaller graphs for a few ms per MB
-
-
-class JobProgress(BaseModel):
-    model_config = ConfigDict(extra="ignore", frozen=True)
-
-    incumbent_flops: int | None = None
-    bound_flops: int | None = None
-    elapsed_s: float = 0.0
-
-
-class Job(BaseModel):
-    """A background solve as the server reports it (``GET /v1/jobs/{id}``)."""
-
-    model_config = ConfigDict(extra="ignore", frozen=True)
-
-    id: str
-    status: str  # queued, running, succeeded, failed, cancelled
-    graph_hash: str
-    budget_bytes: int
-    options: SolveOptions
-    progress: JobProgress | None = None
-    solution: Solution | None = None
-    error: dict[str, Any] | None = None
-
-    @property
-    def finished(self) -> bool:
-        return self.status in ("succeeded", "failed", "cancelled")
-
-    @property
-    def incumbent_flops(self) -> int | None:
-        if self.solution is not None:
-            return self.solution.recompute_flops
-        return None if self.progress is None else self.progress.incumbent_flops
-
-    @property
-    def bound_flops(self) -> int | None:
-        if self.solution is not None:
-            return self.solution.lower_bound_flops
-        return None if self.progress is None else self.progress.bound_flops
 
 
 class RematClient:
@@ -179,14 +139,17 @@ class RematClient:
             return current.solution
         if current.status == "cancelled":
             raise JobCancelled(f"job {current.id} was cancelled before it found a plan")
-        problem = current.error or {"title": "Job failed", "detail": f"job {current.id} failed"}
-        raise problem_error(int(problem.get("status", 500)), problem, current.budget_bytes)
+        if current.error is None:
+            raise problem_error(500, {"title": "Job failed", "detail": f"job {current.id} failed"},
+                                current.budget_bytes)
+        problem = current.error.model_dump(mode="json", exclude_none=True)
+        raise problem_error(current.error.status, problem, current.budget_bytes)
 
     def frontier(self, graph: CostGraph, budgets: list[int] | None = None,
                  count: int | None = None, **options: Any) -> Frontier:
         """``POST /v1/frontier``: one solve per budget; ``count`` spaced budgets by default."""
         if budgets is None and count is None:
-            count = 12
+            count = DEFAULT_FRONTIER_POINTS
         fields: dict[str, Any] = {"options": resolve_options(None, options).model_dump(mode="json")}
         fields.update({"budgets": budgets} if budgets is not None else {"count": count})
         body = _with_graph(graph, fields)

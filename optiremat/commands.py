@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from optiremat.solver.units import format_bytes
+from optiremat.solver.wire import DEFAULT_FRONTIER_POINTS
 
 EPILOG = """\
 a typical session:
@@ -87,7 +88,7 @@ def add_commands(parser: argparse.ArgumentParser,
         epilog="example:\n  optiremat frontier loss.graph.json --plot frontier.png --points 16")
     frontier.add_argument("source", metavar="GRAPH.json|MODULE:FUNCTION")
     frontier.add_argument("--plot", metavar="OUT.png|OUT.svg", help="write the plot here")
-    frontier.add_argument("--points", type=int, default=12, metavar="N",
+    frontier.add_argument("--points", type=int, default=DEFAULT_FRONTIER_POINTS, metavar="N",
                           help="number of budgets in the sweep (default: 12)")
     frontier.add_argument("--args", default="example_args", metavar="NAME",
                           help="with MODULE:FUNCTION: the example-arguments attribute")

@@ -24,6 +24,9 @@ from optiremat.solver.graph import CostGraph, NodeMode
 from optiremat.solver.semantics import baseline_backward_flops, evaluate
 
 DOTS = frozenset({"dot_general", "conv_general_dilated", "scaled_matmul_wrapper"})
+# JAX's built-in policies (jax.checkpoint_policies), most memory first.
+BUILTIN_POLICIES = ("everything_saveable", "dots_saveable", "dots_with_no_batch_dims_saveable",
+                    "nothing_saveable")
 GREEDY_CANDIDATES = 512  # keys the greedy knapsack tries, best ratio first
 
 

@@ -36,7 +36,7 @@ def spaced_budgets(low: int, high: int, count: int) -> list[int]:
     return sorted({low + (high - low) * i // (count - 1) for i in range(count)})
 
 
-SweepResult = Solution | InfeasibleBudgetError
+FrontierResult = Solution | InfeasibleBudgetError
 
 
 def solve_budgets(
@@ -45,14 +45,14 @@ def solve_budgets(
     options: SolveOptions,
     *,
     cancel: threading.Event | None = None,
-    on_point: Callable[[int, SweepResult], None] | None = None,
-) -> dict[int, SweepResult]:
+    on_point: Callable[[int, FrontierResult], None] | None = None,
+) -> dict[int, FrontierResult]:
     """One solve per distinct budget, smallest first, each warm-started from the last plan."""
-    results: dict[int, SweepResult] = {}
+    results: dict[int, FrontierResult] = {}
     start: list[bool] | None = None
     sweep = None if options.offload is not None else Sweep(graph, options, cancel)
     for budget in sorted(set(budgets)):
-        result: SweepResult
+        result: FrontierResult
         try:
             if sweep is None:  # the offload model takes no start plan
                 result = solve(graph, budget, options, cancel=cancel)
@@ -69,7 +69,7 @@ def solve_budgets(
     return results
 
 
-def point_fields(budget: int, result: SweepResult) -> dict[str, Any]:
+def point_fields(budget: int, result: FrontierResult) -> dict[str, Any]:
     """A frontier point's fields: an infeasible budget names the smallest feasible one;
     a timed-out solve has no plan to report."""
     if isinstance(result, InfeasibleBudgetError):

@@ -18,7 +18,6 @@ from optiremat.service.core import tasks
 from optiremat.service.core.errors import Unavailable
 from optiremat.service.core.limits import MemoryRateLimiter
 from optiremat.service.core.metrics import Metrics
-from optiremat.service.core.models import JobStatus
 from optiremat.service.core.outcome import (
     BudgetRange,
     Cancelled,
@@ -37,6 +36,7 @@ from optiremat.service.core.rq_executor import RQExecutor
 from optiremat.service.core.store import SqliteStore
 from optiremat.service.core.tasks import BudgetRangeTask, SolveTask
 from optiremat.solver.solution import SolveOptions
+from optiremat.solver.wire import JobStatus
 from tests.cluster_harness import RedisServer
 from tests.service_harness import REPO, chain
 

@@ -21,12 +21,12 @@ from optiremat.service.api.middleware import BodyDecodingMiddleware
 from optiremat.service.core.config import Settings
 from optiremat.service.core.errors import Unavailable
 from optiremat.service.core.keeper import StoreKeeper
-from optiremat.service.core.models import FrontierPoint, Progress
 from optiremat.service.core.outcome import BudgetRange, Cancelled, Failed, Infeasible, Solved
 from optiremat.service.core.store import Evicted, SqliteStore
 from optiremat.service.core.tasks import SolveTask
 from optiremat.solver.frontier import mark_pareto
 from optiremat.solver.solution import SolveOptions, SolveStatus
+from optiremat.solver.wire import FrontierPoint, Progress
 
 
 def test_settings_come_from_optiremat_variables(monkeypatch: pytest.MonkeyPatch,

@@ -16,9 +16,9 @@ from optiremat.service.api.problems import ProblemError
 from optiremat.service.core.config import Settings
 from optiremat.service.core.front import Front
 from optiremat.service.core.limits import RateLimiter
-from optiremat.service.core.models import GRAPH_TOO_LARGE, RATE_LIMITED
 from optiremat.solver.graph import CostGraph
 from optiremat.solver.solution import SolveOptions
+from optiremat.solver.wire import GRAPH_TOO_LARGE, RATE_LIMITED
 
 Body = TypeVar("Body", bound=BaseModel)
 

@@ -17,7 +17,7 @@ from typing import Any
 
 from optiremat.service.api.problems import problem_body
 from optiremat.service.core.metrics import Metrics
-from optiremat.service.core.models import INVALID_REQUEST
+from optiremat.solver.wire import INVALID_REQUEST
 
 Scope = MutableMapping[str, Any]
 Message = MutableMapping[str, Any]

@@ -12,13 +12,8 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.responses import Response
 
 from optiremat.service.core.errors import Unavailable
-from optiremat.service.core.models import (
-    INVALID_REQUEST,
-    SOLVE_CANCELLED,
-    Problem,
-    ValidationIssue,
-)
 from optiremat.service.core.outcome import Cancelled, Failed, Infeasible, Interrupted, Outcome
+from optiremat.solver.wire import INVALID_REQUEST, SOLVE_CANCELLED, Problem, ValidationIssue
 
 PROBLEM_MEDIA_TYPE = "application/problem+json"
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from optiremat.service.core.models import QUEUE_FULL
+from optiremat.solver.wire import QUEUE_FULL
 
 # A queue at its bound drains one solve at a time; asking again after about a short
 # solve's time is neither a stampede nor a long wait.

@@ -25,16 +25,7 @@ from typing import Any, TypeVar
 
 from optiremat.service.core.errors import Unavailable
 from optiremat.service.core.metrics import Metrics
-from optiremat.service.core.models import (
-    Frontier,
-    FrontierPoint,
-    Job,
-    JobPage,
-    JobStatus,
-    JobSummary,
-    Problem,
-    Readiness,
-)
+from optiremat.service.core.models import Readiness
 from optiremat.service.core.outcome import (
     BudgetRange,
     Cancelled,
@@ -47,9 +38,18 @@ from optiremat.service.core.outcome import (
 )
 from optiremat.service.core.runs import Executor, JobRecord, Position, in_thread, job_status
 from optiremat.service.core.tasks import BudgetRangeTask, SolveTask, Task
-from optiremat.solver.frontier import SweepResult, mark_pareto, point_fields, spaced_budgets
+from optiremat.solver.frontier import FrontierResult, mark_pareto, point_fields, spaced_budgets
 from optiremat.solver.graph import CostGraph
 from optiremat.solver.solution import InfeasibleBudgetError, Solution, SolveOptions
+from optiremat.solver.wire import (
+    Frontier,
+    FrontierPoint,
+    Job,
+    JobPage,
+    JobStatus,
+    JobSummary,
+    Problem,
+)
 
 T = TypeVar("T")
 BODY_MEMO_SIZE = 4096  # body digests remembered; 100 bytes each
@@ -255,7 +255,7 @@ class Front:
         points = []
         for budget, outcome in zip(budgets, outcomes, strict=True):
             if isinstance(outcome, Infeasible):
-                result: SweepResult = InfeasibleBudgetError(budget, outcome.min_budget_bytes)
+                result: FrontierResult = InfeasibleBudgetError(budget, outcome.min_budget_bytes)
             elif isinstance(outcome, Solved):
                 result = Solution.model_validate_json(outcome.solution_json)
             else:

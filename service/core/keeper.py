@@ -21,10 +21,10 @@ from collections.abc import Callable
 from typing import Any, TypeVar
 
 from optiremat.service.core.errors import Unavailable
-from optiremat.service.core.models import STORE_UNAVAILABLE, Progress
 from optiremat.service.core.outcome import Outcome
 from optiremat.service.core.runs import in_thread
 from optiremat.service.core.store import SqliteStore
+from optiremat.solver.wire import STORE_UNAVAILABLE, Progress
 
 log = logging.getLogger("optiremat.service")
 T = TypeVar("T")

@@ -20,7 +20,6 @@ from multiprocessing.context import SpawnProcess
 from multiprocessing.synchronize import Event
 
 from optiremat.service.core.metrics import Metrics
-from optiremat.service.core.models import Progress
 from optiremat.service.core.outcome import (
     Cancelled,
     Failed,
@@ -32,6 +31,7 @@ from optiremat.service.core.outcome import (
 )
 from optiremat.service.core.pool_worker import Ready, worker_main
 from optiremat.service.core.tasks import SolveTask, Task
+from optiremat.solver.wire import Progress
 
 log = logging.getLogger("optiremat.service")
 

@@ -20,13 +20,14 @@ from optiremat.service.core.config import Settings
 from optiremat.service.core.errors import Unavailable, queue_full
 from optiremat.service.core.keeper import StoreKeeper
 from optiremat.service.core.metrics import Metrics
-from optiremat.service.core.models import Progress, Readiness
+from optiremat.service.core.models import Readiness
 from optiremat.service.core.outcome import Cancelled, Failed, Interrupted, Outcome, settled
 from optiremat.service.core.pool import PoolTask, WorkerPool
 from optiremat.service.core.runs import Live, in_thread
 from optiremat.service.core.store import Evicted, SqliteStore
 from optiremat.service.core.tasks import Task
 from optiremat.solver.graph import CostGraph
+from optiremat.solver.wire import Progress
 
 log = logging.getLogger("optiremat.service")
 T = TypeVar("T")

@@ -64,7 +64,6 @@ from rq.serializers import JSONSerializer
 
 from optiremat.service.core.errors import Unavailable
 from optiremat.service.core.limits import Gcra
-from optiremat.service.core.models import STORE_UNAVAILABLE, JobStatus, Progress
 from optiremat.service.core.outcome import (
     Answer,
     Cancelled,
@@ -77,6 +76,7 @@ from optiremat.service.core.outcome import (
 )
 from optiremat.service.core.runs import JobRecord, Live, Position
 from optiremat.service.core.tasks import TASKS, SolveTask, Task, solver_version
+from optiremat.solver.wire import STORE_UNAVAILABLE, JobStatus, Progress
 
 log = logging.getLogger("optiremat.service")
 # 2: one outcome codec for both stores, runs keyed by their task (1 had its own codec)

@@ -39,10 +39,10 @@ from rq.job import Job as RQJob
 from rq.serializers import JSONSerializer
 
 from optiremat.service.core.config import Settings, redact_url
-from optiremat.service.core.models import Progress
 from optiremat.service.core.outcome import Cancelled, Failed, settled
 from optiremat.service.core.redis_store import RedisStore, queue_name
 from optiremat.service.core.tasks import TASKS, run_task
+from optiremat.solver.wire import Progress
 
 log = logging.getLogger("optiremat.worker")
 HEARTBEATS_MISSED = 3  # a job is abandoned after its worker misses this many heartbeats

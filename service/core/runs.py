@@ -16,10 +16,11 @@ from dataclasses import dataclass
 from typing import Any, Protocol, TypeVar
 
 from optiremat.service.core.errors import Unavailable
-from optiremat.service.core.models import JobStatus, Progress, Readiness
+from optiremat.service.core.models import Readiness
 from optiremat.service.core.outcome import Answer, Outcome
 from optiremat.service.core.tasks import SolveTask, Task
 from optiremat.solver.graph import CostGraph
+from optiremat.solver.wire import JobStatus, Progress
 
 T = TypeVar("T")
 

@@ -35,10 +35,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from optiremat.service.core.errors import Unavailable
-from optiremat.service.core.models import STORE_UNAVAILABLE, JobStatus, Progress
 from optiremat.service.core.outcome import Answer, Outcome, decode, encode, is_answer
 from optiremat.service.core.runs import JobRecord, Position, job_status
 from optiremat.service.core.tasks import SolveTask
+from optiremat.solver.wire import STORE_UNAVAILABLE, JobStatus, Progress
 
 log = logging.getLogger("optiremat.service")
 

@@ -19,9 +19,9 @@ from typing import Annotated, Literal, Protocol
 
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter
 
-from optiremat.service.core.models import Progress
 from optiremat.service.core.outcome import BudgetRange, Failed, Infeasible, Solved, TaskResult
 from optiremat.solver.solution import SolveOptions
+from optiremat.solver.wire import Progress
 
 # Progress is forwarded at most this often unless the incumbent improved.
 _PROGRESS_INTERVAL_S = 0.1

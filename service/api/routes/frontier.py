@@ -16,7 +16,7 @@ from optiremat.service.api.deps import (
 )
 from optiremat.service.api.models import FrontierRequest
 from optiremat.service.api.problems import problem_responses, raise_for_outcome
-from optiremat.service.core.models import Frontier
+from optiremat.solver.wire import Frontier
 
 router = APIRouter(prefix="/v1", tags=["frontier"], dependencies=[Depends(require_api_key)])
 

@@ -19,7 +19,7 @@ from optiremat.service.api.deps import (
 )
 from optiremat.service.api.models import SolveRequest
 from optiremat.service.api.problems import ProblemError, problem_responses
-from optiremat.service.core.models import INVALID_REQUEST, Job, JobPage, JobStatus
+from optiremat.solver.wire import INVALID_REQUEST, Job, JobPage, JobStatus
 
 router = APIRouter(prefix="/v1/jobs", tags=["jobs"], dependencies=[Depends(require_api_key)])
 

@@ -1,0 +1,179 @@
+"""The service's resources as data: the models the client and the service both read.
+
+Defined once, here in the JAX-free solver package, so that what the service
+sends and what ``RematClient`` parses cannot drift: problem details, jobs and
+their progress, pages of jobs, frontiers. Readers ignore members they do not
+know (a newer server may add some).
+"""
+
+from __future__ import annotations
+
+from datetime import datetime
+from enum import StrEnum
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from optiremat.solver.solution import Solution, SolveOptions, SolveStatus
+
+# Points of a frontier when neither budgets nor a count is given.
+DEFAULT_FRONTIER_POINTS = 12
+
+# Problem types the service defines; docs/service.md explains each.
+INFEASIBLE_BUDGET = "urn:optiremat:problem:infeasible-budget"
+INVALID_REQUEST = "urn:optiremat:problem:invalid-request"
+GRAPH_TOO_LARGE = "urn:optiremat:problem:graph-too-large"
+SOLVE_CANCELLED = "urn:optiremat:problem:solve-cancelled"
+SOLVE_FAILED = "urn:optiremat:problem:solve-failed"
+RATE_LIMITED = "urn:optiremat:problem:rate-limited"
+QUEUE_FULL = "urn:optiremat:problem:queue-full"
+STORE_UNAVAILABLE = "urn:optiremat:problem:store-unavailable"
+
+
+class ValidationIssue(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    loc: list[str | int]
+    msg: str
+    type: str
+
+
+class Problem(BaseModel):
+    """A problem detail; extension members carry what a client needs to fix the request."""
+
+    model_config = ConfigDict(extra="allow")
+
+    type: str = "about:blank"
+    title: str
+    status: int
+    detail: str
+    instance: str | None = None
+    request_id: str | None = None
+    min_budget_bytes: int | None = Field(
+        default=None, description="For an infeasible budget: the smallest feasible one."
+    )
+    errors: list[ValidationIssue] | None = None
+
+    @classmethod
+    def infeasible(cls, budget_bytes: int, min_budget_bytes: int) -> Problem:
+        return cls(
+            type=INFEASIBLE_BUDGET, title="Infeasible budget", status=422,
+            detail=f"no plan keeps residuals within {budget_bytes} bytes; the smallest "
+                   f"feasible budget for this graph is {min_budget_bytes} bytes",
+            min_budget_bytes=min_budget_bytes,
+        )
+
+    @classmethod
+    def solve_failed(cls, message: str) -> Problem:
+        return cls(type=SOLVE_FAILED, title="Solve failed", status=500, detail=message)
+
+
+class JobStatus(StrEnum):
+    QUEUED = "queued"
+    RUNNING = "running"
+    SUCCEEDED = "succeeded"
+    FAILED = "failed"
+    CANCELLED = "cancelled"
+
+    @property
+    def finished(self) -> bool:
+        return self in (JobStatus.SUCCEEDED, JobStatus.FAILED, JobStatus.CANCELLED)
+
+
+class Progress(BaseModel):
+    """The solver's latest report: best plan found so far and the proven bound."""
+
+    model_config = ConfigDict(frozen=True, extra="ignore")
+
+    incumbent_flops: int | None = None
+    bound_flops: int | None = None
+    elapsed_s: float = 0.0
+
+
+class JobSummary(BaseModel):
+    """A job as ``GET /v1/jobs`` lists it: ``GET /v1/jobs/{id}`` has its solution or error."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    id: str
+    status: JobStatus
+    graph_hash: str
+    budget_bytes: int
+    options: SolveOptions
+    created_at: datetime
+    updated_at: datetime
+    progress: Progress | None = None
+
+
+class Job(JobSummary):
+    """A background solve. ``id`` is the request hash, so resubmitting finds the same job."""
+
+    solution: Solution | None = Field(
+        default=None,
+        description="When succeeded; when cancelled, the best plan found before the cancel.",
+    )
+    error: Problem | None = Field(default=None, description="When failed: what went wrong.")
+
+    @property
+    def finished(self) -> bool:
+        return self.status.finished
+
+    @property
+    def incumbent_flops(self) -> int | None:
+        """The best plan's recompute FLOPs so far (the answer's, once there is one)."""
+        if self.solution is not None:
+            return self.solution.recompute_flops
+        return None if self.progress is None else self.progress.incumbent_flops
+
+    @property
+    def bound_flops(self) -> int | None:
+        if self.solution is not None:
+            return self.solution.lower_bound_flops
+        return None if self.progress is None else self.progress.bound_flops
+
+
+class JobPage(BaseModel):
+    """Jobs newest first. A page may hold fewer than ``limit`` jobs and still have a next
+    one: follow ``next_cursor`` until it is null."""
+
+    jobs: list[JobSummary]
+    next_cursor: str | None = Field(
+        default=None, description="Pass as ``cursor`` for the next page; null on the last.")
+
+
+class FrontierPoint(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    budget_bytes: int
+    status: SolveStatus
+    residual_bytes: int | None = None
+    peak_bytes: int | None = Field(
+        default=None, description="The predicted peak of the training step (a step's graph)."
+    )
+    recompute_flops: int | None = None
+    pareto: bool = Field(
+        default=False, description="No other point has both fewer bytes and fewer FLOPs."
+    )
+    min_budget_bytes: int | None = Field(
+        default=None, description="For an infeasible budget: the smallest feasible one."
+    )
+
+    @property
+    def memory_bytes(self) -> int | None:
+        """What the budget counts: the predicted peak, or the residual bytes."""
+        return self.peak_bytes if self.peak_bytes is not None else self.residual_bytes
+
+
+class Frontier(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    graph_hash: str
+    options: SolveOptions
+    min_feasible_budget: int | None = Field(default=None, description="Set when count was given.")
+    max_useful_budget: int | None = Field(default=None, description="Set when count was given.")
+    points: list[FrontierPoint]
+
+    @property
+    def plans(self) -> list[FrontierPoint]:
+        """Points with a plan, by the bytes their budget counts."""
+        return sorted((p for p in self.points if p.memory_bytes is not None),
+                      key=lambda p: (p.memory_bytes or 0, p.recompute_flops or 0))
