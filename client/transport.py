@@ -1,8 +1,8 @@
 """Retries, in one place: an httpx transport that retries transient failures.
 
-Connection failures (refused, connect timeout) and the gateway answers 502, 503
-and 504 are retried with exponential backoff and jitter, honouring a
-``Retry-After`` header up to the backoff cap. Every request the client sends is
+Connection failures (refused, connect timeout), the gateway answers 502, 503
+and 504, and a rate limit's 429 are retried with exponential backoff and
+jitter, honouring a ``Retry-After`` header up to the backoff cap. Every request the client sends is
 safe to repeat: a solve is identified by its request hash, so a retried POST
 joins or finds the same run.
 """
@@ -18,7 +18,7 @@ import httpx
 
 log = logging.getLogger("optiremat.client")
 
-RETRY_STATUSES = frozenset({502, 503, 504})
+RETRY_STATUSES = frozenset({429, 502, 503, 504})
 RETRY_ERRORS = (httpx.ConnectError, httpx.ConnectTimeout)
 
 

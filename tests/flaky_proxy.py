@@ -2,9 +2,10 @@
 
 Until ``listen()`` its port is bound but not listening, so connections to it are
 refused (the kernel answers with a reset), exactly as for a server not yet up.
-Once listening it answers the first ``unavailable`` requests itself with a 503
-and forwards every later connection to the target, recording what each
-client sent first (request line and headers).
+Once listening it answers the first ``unavailable`` requests itself with
+``refusal`` (503 by default; 429 as a rate limit answers) and forwards every
+later connection to the target, recording what each client sent first
+(request line and headers).
 """
 
 from __future__ import annotations
@@ -15,9 +16,11 @@ import threading
 
 
 class FlakyProxy:
-    def __init__(self, target_port: int, *, unavailable: int = 0) -> None:
+    def __init__(self, target_port: int, *, unavailable: int = 0,
+                 refusal: bytes = b"503 Service Unavailable") -> None:
         self.target_port = target_port
         self.unavailable = unavailable
+        self.refusal = refusal
         self.requests: list[bytes] = []  # the first bytes of each forwarded connection
         self._sock = socket.socket()
         self._sock.bind(("127.0.0.1", 0))
@@ -54,15 +57,14 @@ class FlakyProxy:
                 return
             if self.unavailable > 0:
                 self.unavailable -= 1
-                self._start(self._answer_503, conn)
+                self._start(self._refuse, conn)
             else:
                 self._start(self._forward, conn)
 
-    @staticmethod
-    def _answer_503(conn: socket.socket) -> None:
+    def _refuse(self, conn: socket.socket) -> None:
         with conn:
             conn.recv(65536)
-            conn.sendall(b"HTTP/1.1 503 Service Unavailable\r\nRetry-After: 0\r\n"
+            conn.sendall(b"HTTP/1.1 " + self.refusal + b"\r\nRetry-After: 0\r\n"
                          b"Content-Length: 0\r\nConnection: close\r\n\r\n")
 
     def _forward(self, client: socket.socket) -> None:

@@ -139,6 +139,17 @@ def test_503_is_retried_and_uploads_are_gzip(server: Server) -> None:
     assert not body or body.startswith(b"\x1f\x8b")  # gzip's magic, if it came along
 
 
+def test_a_rate_limit_is_waited_out(server: Server) -> None:
+    proxy = FlakyProxy(server.port, unavailable=2, refusal=b"429 Too Many Requests")
+    proxy.listen()
+    try:
+        with RematClient(proxy.url, backoff_s=0.01) as limited:
+            solution = limited.solve(_mlp_graph(), 10**9)
+    finally:
+        proxy.close()
+    assert solution.status == "optimal" and len(proxy.requests) == 1
+
+
 def test_a_server_that_never_answers_fails_after_the_retries() -> None:
     proxy = FlakyProxy(1)  # never listens
     try:
