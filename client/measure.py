@@ -23,7 +23,7 @@ class Residual:
 def saved_residuals(checkpointed: Callable, *args, **kwargs) -> list[Residual]:
     """``jax.ad_checkpoint.saved_residuals``, with sizes."""
     return [
-        Residual(tuple(a.shape), str(a.dtype), aval_bytes(a), src,
+        Residual(tuple(getattr(a, "shape", ())), str(getattr(a, "dtype", "")), aval_bytes(a), src,
                  getattr(a, "memory_space", None) == jx.core.MemorySpace.Host)
         for a, src in jx.saved_residuals(checkpointed, *args, **kwargs)
     ]

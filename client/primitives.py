@@ -72,7 +72,12 @@ class PrimitiveInfo:
 # ---- FLOP rules ------------------------------------------------------------------
 
 
-def _size(aval) -> int:
+def shape(atom: core.Atom) -> tuple[int, ...]:
+    """The shape of a jaxpr variable or literal (scalars and tokens: ``()``)."""
+    return tuple(getattr(atom.aval, "shape", ()))
+
+
+def _size(aval: core.AbstractValue) -> int:
     return int(math.prod(getattr(aval, "shape", ())))
 
 
@@ -96,8 +101,8 @@ def per_update_element(eqn: core.JaxprEqn) -> int:
 
 def dot_general(eqn: core.JaxprEqn) -> int:
     (lhs_contract, _), _ = eqn.params["dimension_numbers"]
-    lhs = eqn.invars[0].aval
-    contracted = math.prod(lhs.shape[d] for d in lhs_contract)
+    lhs = shape(eqn.invars[0])
+    contracted = math.prod(lhs[d] for d in lhs_contract)
     return 2 * per_output_element(eqn) * int(contracted)
 
 
@@ -115,26 +120,25 @@ def _valid_taps(in_size: int, out_size: int, k_size: int, stride: int, pad_lo: i
 
 def conv_general_dilated(eqn: core.JaxprEqn) -> int:
     """2 x multiply-adds that touch real input (padding excluded, as XLA counts)."""
-    lhs, rhs = eqn.invars[0].aval, eqn.invars[1].aval
-    out = eqn.outvars[0].aval
+    lhs, rhs, out = shape(eqn.invars[0]), shape(eqn.invars[1]), shape(eqn.outvars[0])
     p = eqn.params
     dn = p["dimension_numbers"]
     lhs_spec, rhs_spec, out_spec = dn.lhs_spec, dn.rhs_spec, dn.out_spec
-    macs = out.shape[out_spec[0]] * out.shape[out_spec[1]] * rhs.shape[rhs_spec[1]]
+    macs = out[out_spec[0]] * out[out_spec[1]] * rhs[rhs_spec[1]]
     macs //= max(p.get("batch_group_count", 1), 1)
     for i in range(len(lhs_spec) - 2):
         macs *= _valid_taps(
-            lhs.shape[lhs_spec[2 + i]], out.shape[out_spec[2 + i]], rhs.shape[rhs_spec[2 + i]],
+            lhs[lhs_spec[2 + i]], out[out_spec[2 + i]], rhs[rhs_spec[2 + i]],
             p["window_strides"][i], p["padding"][i][0], p["lhs_dilation"][i],
             p["rhs_dilation"][i])
     return 2 * macs
 
 
 def sort(eqn: core.JaxprEqn) -> int:
-    aval = eqn.invars[0].aval
-    dim = eqn.params.get("dimension", len(aval.shape) - 1)
-    n = aval.shape[dim] if aval.shape else 1
-    rows = _size(aval) // max(n, 1)
+    dims = shape(eqn.invars[0])
+    dim = eqn.params.get("dimension", len(dims) - 1)
+    n = dims[dim] if dims else 1
+    rows = math.prod(dims) // max(n, 1)
     return int(rows * n * max(math.ceil(math.log2(n)), 1)) if n > 1 else 0
 
 

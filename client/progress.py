@@ -14,8 +14,11 @@ from typing import IO, Protocol
 
 
 class _JobView(Protocol):
-    id: str
-    status: str
+    @property
+    def id(self) -> str: ...
+
+    @property
+    def status(self) -> str: ...
 
     @property
     def incumbent_flops(self) -> int | None: ...

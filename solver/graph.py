@@ -26,7 +26,7 @@ import hashlib
 import json
 from enum import StrEnum
 from functools import cached_property
-from typing import Annotated
+from typing import Annotated, Any
 
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, StrictStr, model_validator
 
@@ -190,7 +190,7 @@ class GraphBuilder:
         self.extra_bytes: list[int] = []
         self.value_regions: list[int] = []
         self.values: list[tuple[int, list[int], str]] = []
-        self.nodes: list[dict] = []
+        self.nodes: list[dict[str, Any]] = []
         self.inputs: list[int] = []
         self.backward_reads: list[int] = []
         self.carry_in: list[int] = []

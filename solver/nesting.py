@@ -102,8 +102,9 @@ def _with_groups(graph: CostGraph, answer: Solution, groups: Groups) -> Solution
     if all(k == 1 for k in groups):
         return answer
     extra = forward_flops(graph, groups)
-    update: dict = {"groups": list(groups), "recompute_flops": answer.recompute_flops + extra,
-                    "lower_bound_flops": answer.lower_bound_flops + extra}
+    update: dict[str, object] = {
+        "groups": list(groups), "recompute_flops": answer.recompute_flops + extra,
+        "lower_bound_flops": answer.lower_bound_flops + extra}
     if answer.node_decisions:
         update["residual_bytes"] = nested_residual_bytes(
             graph, [d != "recompute" for d in answer.node_decisions], groups)

@@ -138,7 +138,7 @@ class BudgetView:
         ``saved_residuals`` lists), and the predicted peak."""
         if self.memory == Memory.RESIDUALS:
             return answer
-        update: dict = {"graph_hash": graph.content_hash, "budget_bytes": budget}
+        update: dict[str, object] = {"graph_hash": graph.content_hash, "budget_bytes": budget}
         if answer.node_decisions:
             full = evaluate(graph, [d != "recompute" for d in answer.node_decisions])
             update["residual_bytes"] = full.residual_bytes - answer.host_bytes

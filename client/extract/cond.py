@@ -28,7 +28,7 @@ from optiremat.client.extract.state import (
     primal_mode,
 )
 from optiremat.client.extract.walker import ROLE_RULES, Walker
-from optiremat.client.primitives import Role, info
+from optiremat.client.primitives import Role, info, shape
 from optiremat.solver.graph import CostGraph, GraphBuilder, NodeMode
 from optiremat.solver.semantics import evaluate
 
@@ -52,7 +52,8 @@ def cond_rule(walker: Walker, eqn, refs: Sequence[Ref], ctx: Context) -> list[Re
     unoffered = not ctx.under_checkpoint
     tied = walker.branch_decide is None and not unoffered
     varying = frozenset().union(*(r.varying for r in refs))
-    fixed = fixed_save if tied or unoffered else walker.branch_decide
+    fixed: Decide = fixed_save if tied or unoffered or walker.branch_decide is None \
+        else walker.branch_decide
     saved = [BranchSummary.of(b.jaxpr, ops, fixed) for b in eqn.params["branches"]]
     out_known = [all(b.out_known[k] for b in saved) for k in range(len(eqn.outvars))]
     sinks = [None, *(k for k, known in enumerate(out_known) if known)]
@@ -68,19 +69,20 @@ def cond_rule(walker: Walker, eqn, refs: Sequence[Ref], ctx: Context) -> list[Re
                 slot_of[tag] = len(slot_avals)
                 slot_avals.append(aval)
 
-    token = None
+    token: int | None = None
     if tied:
         recomputed = [BranchSummary.of(b.jaxpr, ops, fixed_recompute)
                       for b in eqn.params["branches"]]
-        operands, flops = set(), 0
+        operands: set[int] = set()
+        flops = 0
         for b in recomputed:
             ops_b, flops_b = b.needs_all(sinks)
-            operands |= {ops[i].value for i in ops_b}
+            operands |= {v for i in ops_b if (v := ops[i].value) is not None}
             flops = max(flops, flops_b)
         key = f"cond-branches:{walker.next_cond}"
         walker.next_cond += 1
         walker.tie_groups.append({key, *(k for b in saved for k in b.keys)})
-        slots = walker.virtual("cond_branches", sorted(operands - {None}), slot_avals, varying,
+        slots = walker.virtual("cond_branches", sorted(operands), slot_avals, varying,
                              ctx, mode=NodeMode.FREE, flops=flops,
                              source=source, key=key)
         # A zero-byte output every reader takes, so that recomputing the
@@ -99,11 +101,12 @@ def cond_rule(walker: Walker, eqn, refs: Sequence[Ref], ctx: Context) -> list[Re
                              mode=NodeMode.SAVE, source=source) if slot_avals else []
 
     def needs(sink: int | None) -> tuple[list[int], int]:
-        vals, flops = {index.value, token} - {None}, 0
+        vals = {v for v in (index.value, token) if v is not None}
+        flops = 0
         for b in saved:
             res, operands, f = b.needs(sink)
             vals |= {slots[slot_of[t]] for t in res}
-            vals |= {ops[i].value for i in operands if ops[i].value is not None}
+            vals |= {v for i in operands if (v := ops[i].value) is not None}
             flops = max(flops, f)
         return sorted(vals), flops
 
@@ -167,7 +170,7 @@ class BranchSummary:
             if not ref.known:
                 ins.append(Ref(walker.tangents.node([], [], 1)[0], False))
                 continue
-            v = b.input(aval_bytes(var.aval), tuple(var.aval.shape), str(var.aval.dtype))
+            v = b.input(aval_bytes(var.aval), shape(var), str(getattr(var.aval, "dtype", "")))
             operand_inputs[v] = i
             ins.append(Ref(v, True))
         outs = walker.walk(jaxpr, ins, Context(decide=decide))

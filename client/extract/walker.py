@@ -64,16 +64,16 @@ class Walker:
     def node(self, eqn, ins: Sequence[Ref], ctx: Context, mode: NodeMode, key: str,
              flops: int) -> list[Ref]:
         varying = frozenset().union(*(r.varying for r in ins))
-        outs = [Ref(self.new_value(v.aval, varying, ctx), True, varying) for v in eqn.outvars]
+        values = [self.new_value(v.aval, varying, ctx) for v in eqn.outvars]
         self.builder.node(
             eqn.primitive.name,
             [r.value for r in ins if r.value is not None],
-            [r.value for r in outs],
+            values,
             key=key, flops=flops * ctx.stacked(varying), mode=mode,
             repeat=ctx.stacked(varying), source=jx.source_of(eqn), batch_dims=batch_dims(eqn),
             region=ctx.region,
         )
-        return outs
+        return [Ref(v, True, varying) for v in values]
 
     def virtual(self, name: str, inputs: Sequence[int | None], out_avals: Sequence,
                 varying: frozenset[int], ctx: Context, *, mode: NodeMode = NodeMode.RECOMPUTE,
@@ -192,7 +192,7 @@ class Walker:
         carry_out = outs[:n_carry]
 
         for cin, cout in zip(carry_in, carry_out, strict=True):
-            if cout.value is None:
+            if cin.value is None or cout.value is None:
                 continue
             if cin.known:
                 # Only a staged scan that rebuilds the primal carry needs carry_out
