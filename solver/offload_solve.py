@@ -20,8 +20,7 @@ from __future__ import annotations
 import math
 import threading
 import time
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable
 from fractions import Fraction
 from typing import Any, Literal
 
@@ -32,8 +31,14 @@ from optiremat.solver.backends import stop_when_set
 from optiremat.solver.backends.cpsat import CpSatBackend, Incumbents, set_search_parameters
 from optiremat.solver.formulation import Formulation, build
 from optiremat.solver.graph import CostGraph
-from optiremat.solver.offload import TRANSFERS_PER_BYTE, OffloadOptions, OffloadReport
-from optiremat.solver.semantics import Evaluation, baseline_backward_flops, evaluate
+from optiremat.solver.offload import (
+    TRANSFERS_PER_BYTE,
+    OffloadOptions,
+    OffloadPlan,
+    OffloadReport,
+    evaluate_offload,
+)
+from optiremat.solver.semantics import baseline_backward_flops
 from optiremat.solver.solution import InfeasibleBudgetError, Solution, SolveOptions, SolveStatus
 from optiremat.solver.solve import PHASE2_WORK
 
@@ -41,26 +46,6 @@ INT64_SAFE = 2**62  # CP-SAT rejects linear expressions whose extremes may overf
 
 # progress(incumbent, bound, elapsed_s), in FLOP-equivalents.
 Progress = Callable[[int, int, float], None]
-
-
-@dataclass(frozen=True)
-class OffloadPlan:
-    """Decisions re-evaluated exactly: per node save flags and which saves are offloaded."""
-
-    saves: tuple[bool, ...]
-    offloaded: tuple[bool, ...]
-    evaluation: Evaluation
-    device_bytes: int
-    host_bytes: int
-
-
-def evaluate_offload(graph: CostGraph, saves: Sequence[bool],
-                     offloaded: Sequence[bool]) -> OffloadPlan:
-    """Device and host residual bytes of a plan (an offloaded node must be saved)."""
-    ev = evaluate(graph, saves)
-    host = sum(graph.value_bytes[v] for v in ev.residuals
-               if (p := graph.producer[v]) is not None and offloaded[p])
-    return OffloadPlan(tuple(saves), tuple(offloaded), ev, ev.residual_bytes - host, host)
 
 
 def _gcd_scaled(coefs: list[int]) -> tuple[list[int], int]:

@@ -46,6 +46,7 @@ from optiremat.solver.baselines import compare, greedy_saves
 from optiremat.solver.formulation import Formulation, build
 from optiremat.solver.graph import CostGraph
 from optiremat.solver.lagrange import CutModel, bound_and_plans
+from optiremat.solver.offload import evaluate_offload
 from optiremat.solver.peak import BudgetView, canonical_options
 from optiremat.solver.repeats import Compressed, compress
 from optiremat.solver.semantics import Evaluation, baseline_backward_flops, evaluate
@@ -137,8 +138,6 @@ def _unfold(graph: CostGraph, folded: Compressed, answer: Solution, budget: int,
             baseline: int) -> Solution:
     """The folded graph's answer on the full graph, priced there again: the two
     prices must agree to the byte and FLOP (device and host bytes alike)."""
-    from optiremat.solver.offload_solve import evaluate_offload
-
     update: dict[str, Any] = {"graph_hash": graph.content_hash}
     if answer.node_decisions:
         decisions = folded.expand(answer.node_decisions)

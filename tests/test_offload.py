@@ -35,8 +35,7 @@ from optiremat.solver import (
 )
 from optiremat.solver.frontier import solve_budgets
 from optiremat.solver.graph import CostGraph
-from optiremat.solver.offload import DEFAULT_HOST_BANDWIDTH, OffloadOptions
-from optiremat.solver.offload_solve import evaluate_offload
+from optiremat.solver.offload import DEFAULT_HOST_BANDWIDTH, OffloadOptions, evaluate_offload
 from optiremat.solver.semantics import baseline_backward_flops
 from tests.models import CORPUS
 from tests.service_harness import Server, body, running_server
