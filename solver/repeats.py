@@ -15,8 +15,9 @@ Their needed values, recomputes and residuals are then the same, and ``C_1``
 with its FLOPs and bytes multiplied by ``K - 1`` stands for all of them
 *exactly*, for every tied decision vector. The folded graph keeps the prefix,
 that representative, ``C_K`` (now reading the representative) and the suffix;
-the tied MILP on it has the optimum and bound of the full one, and
-``optiremat.solver.solve`` still prices the answer on the full graph.
+the tied MILP on it has the optimum and bound of the full one. ``FoldedSearch``
+searches it and prices the answer on the full graph again, where the two prices
+must agree to the byte and FLOP.
 
 The conditions are checked, not assumed: the copies are identical node for
 node (policy key, primitive, FLOPs, mode, output bytes, backward reads, and
@@ -34,9 +35,16 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TypeVar, cast
+from typing import TYPE_CHECKING, Any, TypeVar, cast
 
+from optiremat.solver.baselines import compare
 from optiremat.solver.graph import CostGraph, NodeMode
+from optiremat.solver.offload import evaluate_offload
+from optiremat.solver.semantics import baseline_backward_flops
+from optiremat.solver.solution import Solution
+
+if TYPE_CHECKING:
+    from optiremat.solver.solve import _Search
 
 T = TypeVar("T")
 
@@ -342,3 +350,50 @@ def _fold(graph: CostGraph, r: Repeats) -> tuple[CostGraph, tuple[int, ...]]:
         ),
     )
     return folded, tuple(keep_nodes)
+
+
+# ---- searching the folded graph -------------------------------------------------
+
+
+class FoldedSearch:
+    """A tied search on the folded graph that answers for the full one.
+
+    A start plan is restricted to the folded graph; the answer is expanded onto
+    the full graph and priced there again (``unfold``).
+    """
+
+    def __init__(self, graph: CostGraph, folded: Compressed, inner: _Search) -> None:
+        self.graph = graph
+        self.folded = folded
+        self.baseline = baseline_backward_flops(graph)
+        self.inner = inner
+
+    def restart_clock(self, started: float) -> None:
+        self.inner.restart_clock(started)
+
+    def solve(self, budget: int, start: Sequence[bool] | None = None) -> Solution:
+        inner_start = None if start is None else self.folded.restrict(list(start))
+        answer = self.inner.solve(budget, inner_start)
+        return unfold(self.graph, self.folded, answer, budget, self.baseline)
+
+    def min_budget(self) -> int:
+        return self.inner.min_budget()
+
+
+def unfold(graph: CostGraph, folded: Compressed, answer: Solution, budget: int,
+           baseline: int) -> Solution:
+    """The folded graph's answer on the full graph, priced there again: the two
+    prices must agree to the byte and FLOP (device and host bytes alike)."""
+    update: dict[str, Any] = {"graph_hash": graph.content_hash}
+    if answer.node_decisions:
+        decisions = folded.expand(answer.node_decisions)
+        plan = evaluate_offload(graph, [d != "recompute" for d in decisions],
+                                [d == "offload" for d in decisions])
+        recompute = plan.evaluation.backward_flops - baseline
+        assert (plan.device_bytes, plan.host_bytes, recompute) == (
+            answer.residual_bytes, answer.host_bytes, answer.recompute_flops,
+        ), "the folded graph priced the plan differently from the full graph"
+        update["node_decisions"] = decisions
+        if answer.baselines is not None:
+            update["baselines"] = compare(graph, budget, recompute)
+    return answer.model_copy(update=update)

@@ -46,9 +46,8 @@ from optiremat.solver.baselines import compare, greedy_saves
 from optiremat.solver.formulation import Formulation, build
 from optiremat.solver.graph import CostGraph
 from optiremat.solver.lagrange import CutModel, bound_and_plans
-from optiremat.solver.offload import evaluate_offload
 from optiremat.solver.peak import BudgetView, canonical_options
-from optiremat.solver.repeats import Compressed, compress
+from optiremat.solver.repeats import FoldedSearch, compress, unfold
 from optiremat.solver.semantics import Evaluation, baseline_backward_flops, evaluate
 from optiremat.solver.solution import (
     Backend,
@@ -131,26 +130,7 @@ def _solve_offload(
                            progress=progress, cancel=cancel, started=started)
     if folded is None:
         return answer
-    return _unfold(graph, folded, answer, budget, baseline_backward_flops(graph))
-
-
-def _unfold(graph: CostGraph, folded: Compressed, answer: Solution, budget: int,
-            baseline: int) -> Solution:
-    """The folded graph's answer on the full graph, priced there again: the two
-    prices must agree to the byte and FLOP (device and host bytes alike)."""
-    update: dict[str, Any] = {"graph_hash": graph.content_hash}
-    if answer.node_decisions:
-        decisions = folded.expand(answer.node_decisions)
-        plan = evaluate_offload(graph, [d != "recompute" for d in decisions],
-                                [d == "offload" for d in decisions])
-        recompute = plan.evaluation.backward_flops - baseline
-        assert (plan.device_bytes, plan.host_bytes, recompute) == (
-            answer.residual_bytes, answer.host_bytes, answer.recompute_flops,
-        ), "the folded graph priced the plan differently from the full graph"
-        update["node_decisions"] = decisions
-        if answer.baselines is not None:
-            update["baselines"] = compare(graph, budget, recompute)
-    return answer.model_copy(update=update)
+    return unfold(graph, folded, answer, budget, baseline_backward_flops(graph))
 
 
 def solve_from(
@@ -214,14 +194,14 @@ def _search(
     started: float,
     progress: ProgressCallback | None,
     cancel: threading.Event | None,
-) -> _Search | _FoldedSearch:
+) -> _Search | FoldedSearch:
     """The search for one request: on the folded graph when a tied plan's repeated
     layers fold exactly (``optiremat.solver.repeats``), else on the graph itself."""
     if options.tie and not options.direct:
         folded = compress(graph)
         if folded is not None:
             inner = _Search(folded.graph, options, started, progress, cancel)
-            return _FoldedSearch(graph, folded, inner)
+            return FoldedSearch(graph, folded, inner)
     return _Search(graph, options, started, progress, cancel)
 
 
@@ -560,28 +540,3 @@ class _Search:
                        if self.options.compare_baselines else None),
             solve_seconds=time.monotonic() - self.started,
         )
-
-
-class _FoldedSearch:
-    """A tied search on the graph with its repeated layers folded into one.
-
-    The folded graph has the same optimum and bound (``optiremat.solver.repeats``); its
-    answer is unfolded onto the full graph and priced there (``_unfold``).
-    """
-
-    def __init__(self, graph: CostGraph, folded: Compressed, inner: _Search) -> None:
-        self.graph = graph
-        self.folded = folded
-        self.baseline = baseline_backward_flops(graph)
-        self.inner = inner
-
-    def restart_clock(self, started: float) -> None:
-        self.inner.restart_clock(started)
-
-    def solve(self, budget: int, start: Sequence[bool] | None = None) -> Solution:
-        inner_start = None if start is None else self.folded.restrict(list(start))
-        answer = self.inner.solve(budget, inner_start)
-        return _unfold(self.graph, self.folded, answer, budget, self.baseline)
-
-    def min_budget(self) -> int:
-        return self.inner.min_budget()
