@@ -38,9 +38,9 @@ from optiremat.solver.offload import (
     OffloadReport,
     evaluate_offload,
 )
+from optiremat.solver.search import PHASE2_WORK
 from optiremat.solver.semantics import baseline_backward_flops
 from optiremat.solver.solution import InfeasibleBudgetError, Solution, SolveOptions, SolveStatus
-from optiremat.solver.solve import PHASE2_WORK
 
 INT64_SAFE = 2**62  # CP-SAT rejects linear expressions whose extremes may overflow int64
 
@@ -188,7 +188,7 @@ class _OffloadSearch:
         return self._solution(budget, status_, plan, cost if proven else bound)
 
     def _leanest(self, model: _Model, first: cp_model.CpSolver, plan: OffloadPlan) -> OffloadPlan:
-        """Phase 2, as in ``solver.solve``: of the cheapest plans, the fewest device bytes.
+        """Phase 2, as in ``solver.search``: of the cheapest plans, the fewest device bytes.
 
         Bounded by deterministic work and used only when proven, so whether it
         happened never depends on the machine's speed.

@@ -44,7 +44,7 @@ from optiremat.solver.semantics import baseline_backward_flops
 from optiremat.solver.solution import Solution
 
 if TYPE_CHECKING:
-    from optiremat.solver.solve import _Search
+    from optiremat.solver.search import Search
 
 T = TypeVar("T")
 
@@ -362,7 +362,7 @@ class FoldedSearch:
     the full graph and priced there again (``unfold``).
     """
 
-    def __init__(self, graph: CostGraph, folded: Compressed, inner: _Search) -> None:
+    def __init__(self, graph: CostGraph, folded: Compressed, inner: Search) -> None:
         self.graph = graph
         self.folded = folded
         self.baseline = baseline_backward_flops(graph)

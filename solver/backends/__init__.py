@@ -4,7 +4,7 @@ A backend is built once per formulation and then asked to minimise one of the
 two sums (recompute FLOPs or residual bytes) under caps on either, in the
 formulation's scaled units. Several phases of one solve reuse the model and
 warm-start from the previous phase's solution. Backends only search; turning
-their answer into an exact plan is ``solver.solve``'s job.
+their answer into an exact plan is ``solver.search``'s job.
 """
 
 from __future__ import annotations

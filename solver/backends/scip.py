@@ -1,7 +1,7 @@
 """SCIP through pywraplp: single thread, fixed seeds, explicit tolerances.
 
 SCIP computes in floating point, so its answers are candidates only:
-``solver.solve`` re-evaluates the decisions exactly and never trusts its sums.
+``solver.search`` re-evaluates the decisions exactly and never trusts its sums.
 The auxiliary variables could be continuous (the formulation allows it), but
 as binaries they let SCIP see that both objectives are integral and propagate
 the clauses as clauses: on a 3-layer graph that is 0.15 s against a 60 s
