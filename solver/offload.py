@@ -89,10 +89,13 @@ class OffloadPlan:
     host_bytes: int
 
 
-def evaluate_offload(graph: CostGraph, saves: Sequence[bool],
-                     offloaded: Sequence[bool]) -> OffloadPlan:
-    """Device and host residual bytes of a plan (an offloaded node must be saved)."""
-    ev = evaluate(graph, saves)
-    host = sum(graph.value_bytes[v] for v in ev.residuals
-               if (p := graph.producer[v]) is not None and offloaded[p])
+def evaluate_offload(graph: CostGraph, saves: Sequence[bool], offloaded: Sequence[bool],
+                     evaluation: Evaluation | None = None) -> OffloadPlan:
+    """Device and host residual bytes of a plan (an offloaded node must be saved);
+    ``evaluation`` is ``evaluate(graph, saves)`` when the caller has it."""
+    ev = evaluate(graph, saves) if evaluation is None else evaluation
+    host = 0
+    if any(offloaded):
+        host = sum(graph.value_bytes[v] for v in ev.residuals
+                   if (p := graph.producer[v]) is not None and offloaded[p])
     return OffloadPlan(tuple(saves), tuple(offloaded), ev, ev.residual_bytes - host, host)

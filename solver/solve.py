@@ -17,9 +17,8 @@ from typing import Any
 
 from optiremat.solver.graph import CostGraph
 from optiremat.solver.peak import BudgetView, canonical_options
-from optiremat.solver.repeats import compress, unfold
 from optiremat.solver.search import ProgressCallback, search_for
-from optiremat.solver.semantics import baseline_backward_flops, evaluate
+from optiremat.solver.semantics import evaluate
 from optiremat.solver.solution import Backend, Solution, SolveOptions
 from optiremat.solver.step import Memory
 
@@ -53,38 +52,12 @@ def solve(
     view = BudgetView.of(graph, options.memory)
 
     def search(g: CostGraph, budget: int) -> Solution:
-        if options.offload is not None:  # a third choice: its own CP-SAT model
-            return _solve_offload(g, budget, options, started, progress, cancel)
         return search_for(g, options, started, progress, cancel).solve(budget)
 
     def least() -> int:
         return search_for(view.graph, options, started, None, cancel).min_budget()
 
     return view.solve(graph, budget_bytes, search, least)
-
-
-def _solve_offload(
-    graph: CostGraph,
-    budget: int,
-    options: SolveOptions,
-    started: float,
-    progress: ProgressCallback | None,
-    cancel: threading.Event | None,
-) -> Solution:
-    """The offload solve, on the folded graph when a tied plan's layers fold.
-
-    Offloading moves a residual, it never changes what is needed, so the
-    folding argument (``optiremat.solver.repeats``) holds for save/offload/recompute
-    decisions tied by key as it does for save/recompute.
-    """
-    from optiremat.solver.offload_solve import solve_offload
-
-    folded = compress(graph) if options.tie and not options.direct else None
-    answer = solve_offload(graph if folded is None else folded.graph, budget, options,
-                           progress=progress, cancel=cancel, started=started)
-    if folded is None:
-        return answer
-    return unfold(graph, folded, answer, budget, baseline_backward_flops(graph))
 
 
 def solve_from(

@@ -1,10 +1,11 @@
 """MILP backends behind one small interface.
 
 A backend is built once per formulation and then asked to minimise one of the
-two sums (recompute FLOPs or residual bytes) under caps on either, in the
-formulation's scaled units. Several phases of one solve reuse the model and
-warm-start from the previous phase's solution. Backends only search; turning
-their answer into an exact plan is ``solver.search``'s job.
+two sums (the cost, recompute FLOPs or with offload FLOP-equivalents, or the
+bytes a budget caps) under caps on either, in the formulation's scaled units.
+Several phases of one solve reuse the model and warm-start from the previous
+phase's solution. Backends only search; turning their answer into an exact
+plan is ``solver.search``'s job. Only CP-SAT takes a formulation's offload layer.
 """
 
 from __future__ import annotations
@@ -26,8 +27,8 @@ IncumbentCallback = Callable[[float, float], None]
 
 
 class Objective(StrEnum):
-    FLOPS = "flops"
-    BYTES = "bytes"
+    COST = "cost"  # ``Formulation.cost``
+    BYTES = "bytes"  # ``Formulation.budgeted_bytes``
 
 
 class Outcome(StrEnum):
@@ -43,7 +44,7 @@ class Goal:
 
     objective: Objective
     bytes_cap: int | None = None
-    flops_cap: int | None = None
+    cost_cap: int | None = None
 
 
 @dataclass(frozen=True)
@@ -52,6 +53,7 @@ class RawResult:
     decisions: tuple[bool, ...] | None  # one per formulation decision, None without a solution
     bound: float  # best proven bound on the scaled objective (0 when nothing is known)
     work: float = 0.0  # deterministic effort spent, in the backend's own unit
+    offloads: tuple[bool, ...] = ()  # per decision, with the offload layer
 
 
 class MilpBackend(Protocol):
