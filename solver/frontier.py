@@ -18,7 +18,7 @@ from typing import Any, Protocol
 
 from optiremat.solver.graph import CostGraph
 from optiremat.solver.solution import InfeasibleBudgetError, Solution, SolveOptions, SolveStatus
-from optiremat.solver.solve import Sweep, solve
+from optiremat.solver.solve import Sweep
 
 
 class ParetoPoint(Protocol):
@@ -50,19 +50,16 @@ def solve_budgets(
     """One solve per distinct budget, smallest first, each warm-started from the last plan."""
     results: dict[int, SweepResult] = {}
     start: list[bool] | None = None
-    sweep = None if options.offload is not None else Sweep(graph, options, cancel)
+    sweep = Sweep(graph, options, cancel)
     for budget in sorted(set(budgets)):
         result: SweepResult
         try:
-            if sweep is None:  # the offload model takes no start plan
-                result = solve(graph, budget, options, cancel=cancel)
-            else:
-                result = sweep.solve(budget, start)
+            result = sweep.solve(budget, start)
         except InfeasibleBudgetError as err:
             result = err
         else:
             if result.node_decisions:
-                start = [d == "save" for d in result.node_decisions]
+                start = [d != "recompute" for d in result.node_decisions]
         results[budget] = result
         if on_point is not None:
             on_point(budget, result)

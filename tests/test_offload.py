@@ -40,6 +40,8 @@ from optiremat.solver.frontier import solve_budgets
 from optiremat.solver.graph import CostGraph
 from optiremat.solver.offload import DEFAULT_HOST_BANDWIDTH, OffloadOptions, evaluate_offload
 from optiremat.solver.semantics import baseline_backward_flops
+from optiremat.solver.solve import max_useful_budget, solve_from
+from optiremat.solver.synthetic import transformer_like
 from tests.models import CORPUS
 from tests.service_harness import Server, body, running_server
 
@@ -336,6 +338,20 @@ def test_a_sweep_with_offload_offloads_at_small_budgets() -> None:
     results = solve_budgets(g, [1000, 2000, 4000], SolveOptions(offload=CHEAP))
     host = [results[b].offload.host_bytes for b in (1000, 2000, 4000)]
     assert host == [3000, 2000, 0]
+
+
+def test_each_budget_of_an_offload_sweep_is_a_request_of_its_own() -> None:
+    """An offload search takes no start, and no hint from the budget before: here the
+    infeasible budget's search for the smallest one would steer the next budget's."""
+    g = transformer_like(4)
+    options = SolveOptions(offload=OffloadOptions(host_bandwidth=10**12))
+    tight, budget = (max_useful_budget(g) // d for d in (12, 8))
+    swept = solve_budgets(g, [tight, budget], options)
+    single = solve(g, budget, options)
+    assert isinstance(swept[tight], InfeasibleBudgetError)
+    assert swept[budget].fingerprint() == single.fingerprint()
+    warm = solve_from(g, budget, single.options, [True] * g.num_nodes)
+    assert warm.fingerprint() == single.fingerprint() and warm.offloaded_keys
 
 
 # ---- the service ---------------------------------------------------------------
