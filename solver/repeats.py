@@ -359,7 +359,8 @@ class FoldedSearch:
     """A tied search on the folded graph that answers for the full one.
 
     A start plan is restricted to the folded graph; the answer is expanded onto
-    the full graph and priced there again (``unfold``).
+    the full graph and priced there again, where the two prices must agree to
+    the byte and FLOP (device and host bytes alike).
     """
 
     def __init__(self, graph: CostGraph, folded: Compressed, inner: Search) -> None:
@@ -373,27 +374,22 @@ class FoldedSearch:
 
     def solve(self, budget: int, start: Sequence[bool] | None = None) -> Solution:
         inner_start = None if start is None else self.folded.restrict(list(start))
-        answer = self.inner.solve(budget, inner_start)
-        return unfold(self.graph, self.folded, answer, budget, self.baseline)
+        return self._unfold(self.inner.solve(budget, inner_start), budget)
 
     def min_budget(self) -> int:
         return self.inner.min_budget()
 
-
-def unfold(graph: CostGraph, folded: Compressed, answer: Solution, budget: int,
-           baseline: int) -> Solution:
-    """The folded graph's answer on the full graph, priced there again: the two
-    prices must agree to the byte and FLOP (device and host bytes alike)."""
-    update: dict[str, Any] = {"graph_hash": graph.content_hash}
-    if answer.node_decisions:
-        decisions = folded.expand(answer.node_decisions)
-        plan = evaluate_offload(graph, [d != "recompute" for d in decisions],
-                                [d == "offload" for d in decisions])
-        recompute = plan.evaluation.backward_flops - baseline
-        assert (plan.device_bytes, plan.host_bytes, recompute) == (
-            answer.residual_bytes, answer.host_bytes, answer.recompute_flops,
-        ), "the folded graph priced the plan differently from the full graph"
-        update["node_decisions"] = decisions
-        if answer.baselines is not None:
-            update["baselines"] = compare(graph, budget, recompute)
-    return answer.model_copy(update=update)
+    def _unfold(self, answer: Solution, budget: int) -> Solution:
+        update: dict[str, Any] = {"graph_hash": self.graph.content_hash}
+        if answer.node_decisions:
+            decisions = self.folded.expand(answer.node_decisions)
+            plan = evaluate_offload(self.graph, [d != "recompute" for d in decisions],
+                                    [d == "offload" for d in decisions])
+            recompute = plan.evaluation.backward_flops - self.baseline
+            assert (plan.device_bytes, plan.host_bytes, recompute) == (
+                answer.residual_bytes, answer.host_bytes, answer.recompute_flops,
+            ), "the folded graph priced the plan differently from the full graph"
+            update["node_decisions"] = decisions
+            if answer.baselines is not None:
+                update["baselines"] = compare(self.graph, budget, recompute)
+        return answer.model_copy(update=update)
