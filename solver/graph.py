@@ -31,6 +31,7 @@ from typing import Annotated
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, StrictStr, model_validator
 
 from optiremat.solver.step import StepMemory
+from optiremat.solver.validation import GraphError, check_graph, check_raw_columns
 
 SCHEMA_VERSION = 2
 # Version 1 graphs (no step, no regions) are read unchanged: they plan residual budgets.
@@ -43,10 +44,6 @@ class NodeMode(StrEnum):
     FREE = "free"
     SAVE = "save"
     RECOMPUTE = "recompute"
-
-
-class GraphError(ValueError):
-    """A cost graph that breaks the schema; the message names the node or value."""
 
 
 class CostGraph(BaseModel):
@@ -104,8 +101,6 @@ class CostGraph(BaseModel):
     def _integer_costs(cls, data: object) -> object:
         # Pydantic runs "before" validators last-defined first: the version check wins.
         if isinstance(data, dict):
-            from optiremat.solver.validation import check_raw_columns
-
             check_raw_columns(data)
         return data
 
@@ -123,8 +118,6 @@ class CostGraph(BaseModel):
 
     @model_validator(mode="after")
     def _consistent(self) -> CostGraph:
-        from optiremat.solver.validation import check_graph
-
         check_graph(self)
         return self
 

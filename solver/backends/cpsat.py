@@ -20,7 +20,7 @@ import time
 
 from ortools.sat.python import cp_model
 
-from optiremat.solver.backends import (
+from optiremat.solver.backends.interface import (
     Goal,
     IncumbentCallback,
     Objective,

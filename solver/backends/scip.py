@@ -17,7 +17,7 @@ import time
 
 from ortools.linear_solver import pywraplp
 
-from optiremat.solver.backends import (
+from optiremat.solver.backends.interface import (
     Goal,
     IncumbentCallback,
     Objective,
