@@ -7,7 +7,8 @@ in increasing order on one ``optiremat.solver.solve.Sweep`` (one formulation and
 model for all of them), each solve started from the previous budget's plan. That
 plan fits every larger budget, so it is a hint and a FLOPs ceiling (an upper
 bound) for its neighbour: a search that would otherwise start from nothing
-starts from a plan that is usually optimal or nearly so.
+starts from a plan that is usually optimal or nearly so. With offload each
+budget is solved as its own request (``Sweep`` says why).
 """
 
 from __future__ import annotations
