@@ -262,8 +262,8 @@ def build(graph: CostGraph, tie: bool, reduce: bool = True,
 
     if reduce and offload is None:
         fixed = dominated_choices(graph, b, tie)
-        for d, nodes in enumerate(decision_nodes):
-            choices = {fixed.get(n) for n in nodes}
+        for d, decided in enumerate(decision_nodes):
+            choices = {fixed.get(n) for n in decided}
             if len(choices) == 1 and None not in choices:
                 builder.clause((d, choices.pop() is True))
 

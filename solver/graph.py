@@ -26,12 +26,13 @@ import hashlib
 import json
 from enum import StrEnum
 from functools import cached_property
-from typing import Annotated
+from typing import Annotated, Any
 
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, StrictStr, model_validator
 
 from optiremat.solver.step import StepMemory
-from optiremat.solver.validation import GraphError, check_graph, check_raw_columns
+from optiremat.solver.validation import GraphError as GraphError  # re-exported
+from optiremat.solver.validation import check_graph, check_raw_columns
 
 SCHEMA_VERSION = 2
 # Version 1 graphs (no step, no regions) are read unchanged: they plan residual budgets.
@@ -178,7 +179,7 @@ class GraphBuilder:
         self.step: StepMemory | None = None
         self.extra_bytes: list[int] = []
         self.values: list[tuple[int, list[int], str]] = []
-        self.nodes: list[dict] = []
+        self.nodes: list[dict[str, Any]] = []
         self.inputs: list[int] = []
         self.backward_reads: list[int] = []
         self.carry_in: list[int] = []

@@ -31,7 +31,7 @@ from dataclasses import dataclass
 from fractions import Fraction
 
 import numpy as np
-from ortools.graph.python import max_flow
+from ortools.graph.python import max_flow  # type: ignore[import-untyped]
 
 from optiremat.solver.graph import CostGraph, NodeMode
 from optiremat.solver.semantics import evaluate

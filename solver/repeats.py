@@ -90,8 +90,8 @@ class Compressed:
         full: list[T | None] = [None] * (len(self.kept) + (r.copies - 2) * r.period)
         for n, d in zip(self.kept, decisions, strict=True):
             full[n] = d
-        for n, d in enumerate(full):
-            if d is None:
+        for n, decided in enumerate(full):
+            if decided is None:
                 full[n] = full[r.start + (n - r.start) % r.period]
         return cast(list[T], full)
 
@@ -121,7 +121,7 @@ _RECENT: dict[str, Compressed | None] = {}
 def _signatures(graph: CostGraph) -> list[int]:
     """Per node, an id equal for nodes that look the same apart from their edges."""
     reads = set(graph.backward_reads)
-    ids: dict[tuple, int] = {}
+    ids: dict[tuple[object, ...], int] = {}
     out = []
     for n in range(graph.num_nodes):
         outs = graph.node_outputs[n]
@@ -226,14 +226,14 @@ def why_not_folded(graph: CostGraph, r: Repeats) -> str | None:
     readers = _input_readers(graph, r)
     crossing: dict[int, set[int]] = {}  # copy -> the values from before it that it reads
     entry: set[tuple[int, int]] = set()  # where in the copy before, for copies 2 .. K
-    shape: list[tuple] = []  # the first copy's input descriptors, per offset
+    shape: list[tuple[tuple[object, ...], ...]] = []  # the first copy's inputs, per offset
     for n in range(r.start, end):
         i, j = divmod(n - r.start, r.period)
         if graph.node_mode[n] == NodeMode.FREE and not graph.node_key[n]:
             return f"node {graph.node_id[n]} in copy {i} is free without a policy key"
         if any(v in carried for v in (*ins[n], *outs[n])):
             return f"node {graph.node_id[n]} in copy {i} touches a loop carry"
-        described: list[tuple] = []
+        described: list[tuple[object, ...]] = []
         for v in ins[n]:
             p = producer[v]
             if p is None:
@@ -259,7 +259,7 @@ def why_not_folded(graph: CostGraph, r: Repeats) -> str | None:
     # A shared graph input is needed if any of its readers needs it, unless the
     # backward pass reads it anyway: then it is needed whatever the copies do.
     for v, copies in readers.items():
-        inside = copies - {None}
+        inside = [c for c in copies if c is not None]
         if inside and len(copies) > 1 and graph.value_id[v] not in reads:
             where = " and outside them" if None in copies else ""
             return f"graph input {graph.value_id[v]} is read by copies {sorted(inside)}{where}"
@@ -316,7 +316,9 @@ def _fold(graph: CostGraph, r: Repeats) -> tuple[CostGraph, tuple[int, ...]]:
     kept_values = [v for v in range(graph.num_values) if keep_value[v]]
 
     ids = graph.value_id
-    input_ptr, input_ids, output_ptr, output_ids = [0], [], [0], []
+    input_ptr, output_ptr = [0], [0]
+    input_ids: list[int] = []
+    output_ids: list[int] = []
     for n in keep_nodes:
         input_ids.extend(ids[rewire.get(v, v)] for v in graph.node_inputs[n])
         input_ptr.append(len(input_ids))

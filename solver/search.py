@@ -299,7 +299,8 @@ class Search:
             # No time for a search this size: answer with the start, bounded by the cut.
             outcome = Outcome.FEASIBLE if start is not None else Outcome.NO_SOLUTION
             bound = self._scaled_cut_bound()
-            return kind, RawResult(outcome, start and start.decisions, bound), start
+            decisions = None if start is None else start.decisions
+            return kind, RawResult(outcome, decisions, bound), start
         if start is not None and self.progress is not None:
             # The start is an incumbent already: report it, since SCIP (through
             # pywraplp) reports nothing more until it finishes.
@@ -446,7 +447,7 @@ class Search:
             options=self.options,
             status=status,
             solver=kind.value,
-            solver_version=ortools.__version__,
+            solver_version=ortools.__version__,  # type: ignore[attr-defined]
         )
         if plan is None:  # stopped before any plan was found
             return Solution(

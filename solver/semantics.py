@@ -57,7 +57,7 @@ def _propagate(graph: CostGraph, save: Sequence[bool]) -> Evaluation:
             stack.extend(graph.node_inputs[p])
 
     residuals = tuple(v for v in range(graph.num_values)
-                      if needed[v] and (producer[v] is None or save[producer[v]]))
+                      if needed[v] and ((p := producer[v]) is None or save[p]))
     active_nodes = tuple(n for n in range(graph.num_nodes) if active[n])
     return Evaluation(
         residual_bytes=sum(graph.value_bytes[v] for v in residuals),

@@ -52,14 +52,14 @@ class SolveOptions(BaseModel):
     # (FastAPI leaves the null default out of the response schema: so does the request's.)
     offload: OffloadOptions | None = Field(
         default=None, exclude_if=lambda v: v is None,
-        json_schema_extra=lambda schema: schema.pop("default", None),  # type: ignore[arg-type,misc]
+        json_schema_extra=lambda schema: schema.pop("default", None),  # type: ignore[arg-type]
     )
     # What a budget means (``optiremat.solver.peak``): the peak bytes of the training
     # step or the residual bytes of one checkpoint. Unset: peak when the graph
     # carries its step, residuals otherwise.
     memory: Memory | None = Field(
         default=None, exclude_if=lambda v: v is None,
-        json_schema_extra=lambda schema: schema.pop("default", None),  # type: ignore[arg-type,misc]
+        json_schema_extra=lambda schema: schema.pop("default", None),  # type: ignore[arg-type]
     )
 
 

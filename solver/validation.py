@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from optiremat.solver.graph import CostGraph
@@ -121,7 +121,7 @@ _INTEGER_COLUMNS = (
 )
 
 
-def check_raw_columns(data: dict) -> None:
+def check_raw_columns(data: dict[str, Any]) -> None:
     """Before field parsing: name the value or node whose cost is not an integer.
 
     Pydantic alone would report a list position (``value_bytes.3``), which is

@@ -114,7 +114,7 @@ class CpSatBackend:
     ) -> RawResult:
         called = time.monotonic()  # the time limit covers setting the model up too
         model = self._posed(goal)
-        model.clear_hints()
+        model.clear_hints()  # type: ignore[no-untyped-call]
         if self._last is not None:
             for var, value in zip(self._x, self._last, strict=True):
                 model.add_hint(var, bool(value))
@@ -154,7 +154,7 @@ class CpSatBackend:
             for which, cap in caps.items():
                 domain = self._caps[which].proto.linear.domain
                 domain[1] = self._sums[which].max_scaled if cap is None else cap
-            model.clear_objective()
+            model.clear_objective()  # type: ignore[no-untyped-call]
         else:
             assert self._f.offload is not None
             model = self._model.clone()

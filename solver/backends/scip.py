@@ -15,7 +15,7 @@ import math
 import threading
 import time
 
-from ortools.linear_solver import pywraplp
+from ortools.linear_solver import pywraplp  # type: ignore[import-untyped]
 
 from optiremat.solver.backends.interface import (
     Goal,
