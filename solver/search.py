@@ -166,8 +166,8 @@ class Search:
         start_plan = self._start(budget, start)
         if budget >= self._save_all_bytes and self.f.offload is None:
             # Saving everything fits and runs the fewest nodes: phase 1 is answered.
-            # (An offload search searches even so: its phase 2 has always started
-            # from that search's solution, and answers must stay as they were.)
+            # (An offload search runs phase 1 even so: its phase 2 has always
+            # started from that search's solution, and a request's answer stays.)
             save_all = self._plan((True,) * self.f.num_decisions)
             fewest = float(self.f.cost.cap(save_all.cost))
             first, plan = RawResult(Outcome.OPTIMAL, save_all.decisions, fewest), save_all
@@ -204,7 +204,8 @@ class Search:
     # ---- starting points --------------------------------------------------
 
     def _start(self, budget: int, start: Sequence[bool] | None) -> _Plan | None:
-        """The cheapest of the plans phase 1 may start from (the module docstring)."""
+        """The cheapest plan within the budget for phase 1 to start from, or None
+        (an offload search starts from none: see the module docstring)."""
         if self.f.offload is not None:
             return None
         starts = [self._start_plan(budget, start)]
@@ -417,10 +418,11 @@ class Search:
         is that of the decisions' saves when the caller has it."""
         offloads = tuple(offloads) or (False,) * len(decisions)
         offloaded = [False] * self.graph.num_nodes
-        for d, nodes in enumerate(self.f.decision_nodes):
-            if offloads[d]:
-                for n in nodes:
-                    offloaded[n] = True
+        if any(offloads):
+            for d, nodes in enumerate(self.f.decision_nodes):
+                if offloads[d]:
+                    for n in nodes:
+                        offloaded[n] = True
         saves = self.f.node_saves(self.graph, decisions)
         priced = evaluate_offload(self.graph, saves, offloaded, evaluation)
         recompute = priced.evaluation.backward_flops - self.baseline
