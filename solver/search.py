@@ -186,6 +186,12 @@ class Search:
             # before any search is answered as the cut found it.
             plan = self._leanest(kind, budget, plan, first.work)
         lower_bound = min(self._lower_bound(first.bound), plan.cost)
+        if self.f.offload is not None and first.outcome == Outcome.OPTIMAL:
+            # The offload solve has always reported a phase 1 proven within
+            # ``relative_gap`` as exact (gap 0, the plan's cost as its bound), where
+            # the checkpointing solve reports the solver's bound; kept so that its
+            # answers stay the same, bit for bit.
+            lower_bound = plan.cost
         proven = (first.outcome == Outcome.OPTIMAL or lower_bound == plan.cost
                   or self._good_enough(plan.cost))
         status = SolveStatus.OPTIMAL if proven else SolveStatus.FEASIBLE
