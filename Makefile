@@ -16,6 +16,7 @@ serve: $(STAMP)
 
 test: $(STAMP)
 	$(PY) -m ruff check .
+	$(PY) -m mypy
 	$(PY) -m pytest -q
 
 bench: $(STAMP)

@@ -6,7 +6,7 @@ the service) never import it.
 
 from optiremat.client.budget import BudgetError, MemoryBudget, memory_budget
 from optiremat.client.errors import ConnectionFailed, ProblemError, RemoteError
-from optiremat.client.extract import ExtractionError, extract_graph, extract_step
+from optiremat.client.extract import ExtractionError, extract_graph
 from optiremat.client.frontier import Frontier, sweep
 from optiremat.client.keys import policy_key
 from optiremat.client.placement import PlacementError
@@ -16,6 +16,7 @@ from optiremat.client.plot import plot_frontier
 from optiremat.client.policy import KeyPolicy
 from optiremat.client.remote import RematClient
 from optiremat.client.step import StepError, measured_peak
+from optiremat.client.step_graph import extract_step
 
 __all__ = [
     "BudgetError",

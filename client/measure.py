@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 import jax
 
-from optiremat.client import _jax_internals as jx
+import optiremat.client._jax_internals as jx
 from optiremat.client.cost_model import aval_bytes, jaxpr_flops
 
 

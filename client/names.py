@@ -13,7 +13,7 @@ from collections.abc import Callable
 
 import jax
 
-from optiremat.client import _jax_internals as jx
+import optiremat.client._jax_internals as jx
 from optiremat.client.extract import NAME_PREFIX, Traced
 from optiremat.client.primitives import info
 

@@ -33,8 +33,9 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from optiremat.client import _jax_internals as jx
+import optiremat.client._jax_internals as jx
 from optiremat.client.cost_model import aval_bytes
+from optiremat.client.extract.tracing import trace
 from optiremat.client.primitives import Role, info
 
 if TYPE_CHECKING:
@@ -340,8 +341,6 @@ class Placement:
         """``fun`` with every region checkpointed by ``policy`` (in ``groups[r]``
         rematerialised groups of layers where that is more than 1): same signature and
         outputs."""
-        from optiremat.client.extract import trace
-
         @functools.wraps(fun)
         def placed(*args, **kwargs):
             traced = trace(fun, args, kwargs)

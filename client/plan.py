@@ -22,12 +22,13 @@ from typing import Any, Literal
 import jax
 
 from optiremat.client.budget import resolve_budget, split_auto_keywords
-from optiremat.client.extract import Traced, graph_of_traced, step_extraction, trace
+from optiremat.client.extract import Traced, graph_of_traced, trace
 from optiremat.client.measure import Residual, backward_flops, saved_residuals
 from optiremat.client.names import tag_every_value
 from optiremat.client.placement import Placement
 from optiremat.client.policy import KeyPolicy
 from optiremat.client.step import Step, measured_peak
+from optiremat.client.step_graph import step_extraction
 from optiremat.solver.graph import CostGraph
 from optiremat.solver.solution import Solution
 from optiremat.solver.solve import solve

@@ -95,7 +95,8 @@ def plot_function(fun: Callable, *args: Any, path: str | Path, points: int = DEF
     peaks of the training step by default (the built-ins applied per layer, as the
     model predicts them), or with ``memory="residuals"`` the residuals of one
     checkpoint around ``fun`` (the built-ins measured by ``saved_residuals``)."""
-    from optiremat.client.extract import extract_graph, extract_step
+    from optiremat.client.extract import extract_graph
+    from optiremat.client.step_graph import extract_step
 
     if memory == "peak":
         graph = extract_step(fun, *args)

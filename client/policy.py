@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from optiremat.client import _jax_internals as jx
+import optiremat.client._jax_internals as jx
 from optiremat.client.keys import policy_key
 
 

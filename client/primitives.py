@@ -43,7 +43,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from enum import Enum
 
-from optiremat.client import _jax_internals as jx
+import optiremat.client._jax_internals as jx
 from optiremat.client._jax_internals import ClosedJaxpr, Jaxpr, core
 
 

@@ -168,7 +168,8 @@ def _read_graph(path: str):
 
 
 def _extract(args: argparse.Namespace) -> int:
-    from optiremat.client.extract import extract_graph, extract_step
+    from optiremat.client.extract import extract_graph
+    from optiremat.client.step_graph import extract_step
     from optiremat.client.target import load_target
 
     fun, fun_args = load_target(args.target, args.args)

@@ -29,40 +29,78 @@ therefore the recompute FLOPs of the plan up to a constant.
 Both sums are divided by the gcd of their coefficients; the budget becomes
 ``floor((budget - always-residual bytes) / gcd)``, an exact rewrite for integers
 that keeps the numbers a floating-point solver sees small.
+
+Offload (``optiremat.solver.offload``) is a layer on these variables, not
+another model: offloading changes where a residual lives, not which values are
+needed, so every clause above stays. Per decision whose node leaves a residual
+variable, ``offload[d] -> save[d]``; per such residual, ``host[v] = residual[v]
+and offload[d]`` as three exact clauses. Device bytes are the residual bytes
+less the host ones, and the budget caps them; host bytes have a cap of their
+own. The search then minimises the plan's cost in FLOP-equivalents,
+``recompute FLOPs + transfer bytes * device_flop_rate / host_bandwidth``,
+exactly: ``bandwidth * flops + 2 * flop_rate * host_bytes`` over the gcd of its
+coefficients (prices that overflow 64 bits are refused). The layer is built
+without the dominance reductions: the zero-FLOP chain rule moves a residual onto
+its producer's output, which may be an input that cannot be offloaded, so it is
+not sound once host bytes are free of the budget.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from fractions import Fraction
 from math import gcd
 
 from optiremat.solver.graph import CostGraph, NodeMode
+from optiremat.solver.offload import TRANSFERS_PER_BYTE, OffloadOptions
 from optiremat.solver.reduction import bounds, dominated_choices
 from optiremat.solver.semantics import Evaluation, baseline_backward_flops, evaluate
 
 # (variable index, polarity): (3, True) is x3, (3, False) is "not x3".
 Lit = tuple[int, bool]
 
+INT64_SAFE = 2**62  # CP-SAT rejects linear expressions whose extremes may overflow int64
+
 
 @dataclass(frozen=True)
 class ScaledSum:
-    """``offset + scale * sum(coef * x[var])``, exact integers in raw units."""
+    """``offset + scale / divisor * sum(coef * x[var])``, exact in raw units.
+
+    Raw units are bytes or FLOPs; the offload cost is in FLOP-equivalents,
+    whose unit may be a fraction of a FLOP (``divisor`` > 1).
+    """
 
     terms: tuple[tuple[int, int], ...]  # (variable index, coefficient in scaled units)
     scale: int
     offset: int
+    divisor: int = 1
 
     @property
     def max_scaled(self) -> int:
-        return sum(coef for _, coef in self.terms)
+        return sum(coef for _, coef in self.terms if coef > 0)
 
-    def raw(self, scaled: int) -> int:
-        return self.offset + self.scale * scaled
+    def raw(self, scaled: int) -> Fraction:
+        return self.offset + Fraction(self.scale * scaled, self.divisor)
 
-    def cap(self, raw_limit: int) -> int:
+    def cap(self, raw_limit: int | Fraction) -> int:
         """Largest scaled value whose raw value stays within ``raw_limit``."""
-        return (raw_limit - self.offset) // self.scale
+        return (raw_limit - self.offset) * self.divisor // self.scale
+
+    def at_least(self, raw_bound: int | Fraction) -> int:
+        """Smallest scaled value whose raw value is at least ``raw_bound``."""
+        return -((self.offset - raw_bound) * self.divisor // self.scale)
+
+
+@dataclass(frozen=True)
+class OffloadLayer:
+    """Offload on the checkpointing variables (see the module docstring)."""
+
+    offload_vars: tuple[tuple[int, int], ...]  # (variable, the decision it offloads)
+    cost: ScaledSum  # recompute FLOPs plus transfers, in FLOP-equivalents
+    device_bytes: ScaledSum  # residual bytes less host bytes: what the budget caps
+    host_bytes: ScaledSum
+    host_cap: int  # the host budget in host_bytes' scaled units
 
 
 @dataclass(frozen=True)
@@ -80,6 +118,24 @@ class Formulation:
     needed_vars: tuple[tuple[int, int], ...] = ()
     active_vars: tuple[tuple[int, int], ...] = ()
     residual_vars: tuple[tuple[int, int], ...] = ()
+    offload: OffloadLayer | None = None
+
+    @property
+    def cost(self) -> ScaledSum:
+        """What a search minimises: recompute FLOPs, with offload plus priced transfers."""
+        return self.recompute_flops if self.offload is None else self.offload.cost
+
+    @property
+    def budgeted_bytes(self) -> ScaledSum:
+        """What a budget caps: residual bytes, with offload those left on the device."""
+        return self.residual_bytes if self.offload is None else self.offload.device_bytes
+
+    def offloads(self, values: Sequence[float]) -> tuple[bool, ...]:
+        """Per decision, whether a backend's assignment (every variable) offloads it."""
+        offloaded = [False] * self.num_decisions
+        for var, d in self.offload.offload_vars if self.offload is not None else ():
+            offloaded[d] = values[var] > 0.5
+        return tuple(offloaded)
 
     def node_saves(self, graph: CostGraph, decisions: Sequence[bool]) -> list[bool]:
         """Per node save flags; forced modes applied, undecided free nodes recompute."""
@@ -155,21 +211,23 @@ def _index(lit: Lit | bool) -> int:
     return lit[0]
 
 
-def _scaled(terms: list[tuple[int, int]], offset: int) -> ScaledSum:
+def _scaled(terms: list[tuple[int, int]], offset: int, divisor: int = 1) -> ScaledSum:
     terms = [(v, c) for v, c in terms if c]
     scale = 0
     for _, c in terms:
         scale = gcd(scale, c)
     scale = scale or 1
-    return ScaledSum(tuple((v, c // scale) for v, c in terms), scale, offset)
+    return ScaledSum(tuple((v, c // scale) for v, c in terms), scale, offset, divisor)
 
 
-def build(graph: CostGraph, tie: bool, reduce: bool = True) -> Formulation:
+def build(graph: CostGraph, tie: bool, reduce: bool = True,
+          offload: OffloadOptions | None = None) -> Formulation:
     """The MILP for ``graph``; ``tie`` gives all free nodes of one policy key one decision.
 
     ``reduce`` fixes decisions whose other choice is dominated
     (``reduction.dominated_choices``); without it the model is the direct one,
-    the reference the reductions are tested against.
+    the reference the reductions are tested against. ``offload`` adds the
+    offload layer, on the direct model (see the module docstring).
     """
     b = bounds(graph)
     modes = graph.node_mode
@@ -202,10 +260,10 @@ def build(graph: CostGraph, tie: bool, reduce: bool = True) -> Formulation:
         for m in nodes:
             decision_of[m] = d
 
-    if reduce:
+    if reduce and offload is None:
         fixed = dominated_choices(graph, b, tie)
-        for d, nodes in enumerate(decision_nodes):
-            choices = {fixed.get(n) for n in nodes}
+        for d, decided in enumerate(decision_nodes):
+            choices = {fixed.get(n) for n in decided}
             if len(choices) == 1 and None not in choices:
                 builder.clause((d, choices.pop() is True))
 
@@ -283,15 +341,74 @@ def build(graph: CostGraph, tie: bool, reduce: bool = True) -> Formulation:
     # nodes than any plan (it saves keyed nodes a plan must recompute).
     always_flops = sum(graph.node_flops[n] for n in b.always_active)
     flops_offset = always_flops - baseline_backward_flops(graph)
+    recompute_flops = _scaled(flop_terms, flops_offset)
+    residual_bytes = _scaled(byte_terms, always_bytes)
+    layer = None
+    if offload is not None:
+        layer = _offload_layer(graph, builder, decision_of, residual_vars, recompute_flops,
+                               residual_bytes, offload)
     return Formulation(
         var_names=tuple(builder.names),
         num_decisions=len(decision_nodes),
         decision_nodes=tuple(decision_nodes),
         decision_keys=tuple(decision_keys),
         clauses=tuple(builder.clauses),
-        recompute_flops=_scaled(flop_terms, flops_offset),
-        residual_bytes=_scaled(byte_terms, always_bytes),
+        recompute_flops=recompute_flops,
+        residual_bytes=residual_bytes,
         needed_vars=tuple(needed_vars),
         active_vars=tuple(active_vars),
         residual_vars=tuple(residual_vars),
+        offload=layer,
+    )
+
+
+def _offload_layer(
+    graph: CostGraph,
+    builder: _Builder,
+    decision_of: dict[int, int],
+    residual_vars: list[tuple[int, int]],
+    recompute_flops: ScaledSum,
+    residual_bytes: ScaledSum,
+    options: OffloadOptions,
+) -> OffloadLayer:
+    """The offload variables and clauses, added to ``builder``, and the layer's sums."""
+    offload_of: dict[int, int] = {}  # decision -> its offload variable
+    host_of: dict[int, int] = {}  # residual variable -> its host copy
+    host_terms: list[tuple[int, int]] = []
+    for var, v in residual_vars:
+        p = graph.producer[v]
+        assert p is not None, "a residual variable stands for a free node's output"
+        d = decision_of[p]
+        if d not in offload_of:
+            offload_of[d] = builder.var(f"offload[{builder.names[d]}]")
+            builder.clause((offload_of[d], False), (d, True))
+        off, host = offload_of[d], builder.var(f"host[{builder.names[var]}]")
+        builder.clause((var, False), (off, False), (host, True))
+        builder.clause((host, False), (var, True))
+        builder.clause((host, False), (off, True))
+        host_of[var] = host
+        host_terms.append((host, graph.value_bytes[v]))
+
+    device_terms: list[tuple[int, int]] = []
+    for var, coef in residual_bytes.terms:
+        device_terms.append((var, coef * residual_bytes.scale))
+        if var in host_of:
+            device_terms.append((host_of[var], -coef * residual_bytes.scale))
+    # bandwidth * flops + 2 * flop_rate * host bytes: the cost times the rate's denominator.
+    rate = options.flops_per_transfer_byte * TRANSFERS_PER_BYTE
+    cost = _scaled([(var, coef * recompute_flops.scale * rate.denominator)
+                    for var, coef in recompute_flops.terms]
+                   + [(host, nbytes * rate.numerator) for host, nbytes in host_terms],
+                   recompute_flops.offset, rate.denominator)
+    if sum(abs(coef) for _, coef in cost.terms) >= INT64_SAFE:
+        raise ValueError(
+            "the offload objective does not fit 64-bit integers: choose host_bandwidth and "
+            "device_flop_rate with a larger common divisor (round numbers, e.g. 25e9 and 4e14)")
+    host_bytes = _scaled(host_terms, 0)
+    return OffloadLayer(
+        offload_vars=tuple((off, d) for d, off in offload_of.items()),
+        cost=cost,
+        device_bytes=_scaled(device_terms, residual_bytes.offset),
+        host_bytes=host_bytes,
+        host_cap=options.host_budget_bytes // host_bytes.scale,
     )

@@ -3,11 +3,12 @@
 ``optiremat.client.frontier.sweep`` (local) and the service's ``POST /v1/frontier`` both
 space budgets with ``spaced_budgets``, build points with ``point_fields`` and
 mark them with ``mark_pareto``. ``solve_budgets`` is the sweep itself: budgets
-in increasing order on one ``optiremat.solver.solve.Sweep`` (one formulation and backend
+in increasing order on one ``optiremat.solver.solve.BudgetSeries`` (one formulation and backend
 model for all of them), each solve started from the previous budget's plan. That
 plan fits every larger budget, so it is a hint and a FLOPs ceiling (an upper
 bound) for its neighbour: a search that would otherwise start from nothing
-starts from a plan that is usually optimal or nearly so.
+starts from a plan that is usually optimal or nearly so. With offload each
+budget is solved as its own request (``BudgetSeries`` says why).
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from typing import Any, Protocol
 
 from optiremat.solver.graph import CostGraph
 from optiremat.solver.solution import InfeasibleBudgetError, Solution, SolveOptions, SolveStatus
-from optiremat.solver.solve import Sweep, solve
+from optiremat.solver.solve import BudgetSeries
 
 
 class ParetoPoint(Protocol):
@@ -50,19 +51,16 @@ def solve_budgets(
     """One solve per distinct budget, smallest first, each warm-started from the last plan."""
     results: dict[int, FrontierResult] = {}
     start: list[bool] | None = None
-    sweep = None if options.offload is not None else Sweep(graph, options, cancel)
+    sweep = BudgetSeries(graph, options, cancel)
     for budget in sorted(set(budgets)):
         result: FrontierResult
         try:
-            if sweep is None:  # the offload model takes no start plan
-                result = solve(graph, budget, options, cancel=cancel)
-            else:
-                result = sweep.solve(budget, start)
+            result = sweep.solve(budget, start)
         except InfeasibleBudgetError as err:
             result = err
         else:
             if result.node_decisions:
-                start = [d == "save" for d in result.node_decisions]
+                start = [d != "recompute" for d in result.node_decisions]
         results[budget] = result
         if on_point is not None:
             on_point(budget, result)

@@ -31,6 +31,8 @@ from typing import Annotated, Any
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, StrictStr, model_validator
 
 from optiremat.solver.step import StepMemory
+from optiremat.solver.validation import GraphError as GraphError  # re-exported
+from optiremat.solver.validation import check_graph, check_raw_columns
 
 SCHEMA_VERSION = 2
 # Version 1 graphs (no step, no regions) are read unchanged: they plan residual budgets.
@@ -43,10 +45,6 @@ class NodeMode(StrEnum):
     FREE = "free"
     SAVE = "save"
     RECOMPUTE = "recompute"
-
-
-class GraphError(ValueError):
-    """A cost graph that breaks the schema; the message names the node or value."""
 
 
 class CostGraph(BaseModel):
@@ -108,8 +106,6 @@ class CostGraph(BaseModel):
     def _integer_costs(cls, data: object) -> object:
         # Pydantic runs "before" validators last-defined first: the version check wins.
         if isinstance(data, dict):
-            from optiremat.solver.validation import check_raw_columns
-
             check_raw_columns(data)
         return data
 
@@ -127,8 +123,6 @@ class CostGraph(BaseModel):
 
     @model_validator(mode="after")
     def _consistent(self) -> CostGraph:
-        from optiremat.solver.validation import check_graph
-
         check_graph(self)
         return self
 

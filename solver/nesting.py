@@ -66,7 +66,8 @@ def forward_flops(graph: CostGraph, groups: Sequence[int]) -> int:
     return sum(f for r, f in zip(regions, graph.node_flops, strict=True) if r in nested)
 
 
-def choose(graph: CostGraph, budget: int, solve_with: Callable[[Groups], Solution]) -> Solution:
+def choose_groups(graph: CostGraph, budget: int,
+                  solve_with: Callable[[Groups], Solution]) -> Solution:
     """The cheapest of the solves at every candidate group count.
 
     Each candidate is solved as ``solve_with(groups)`` (raising InfeasibleBudgetError
@@ -135,6 +136,6 @@ def nested_residual_bytes(graph: CostGraph, saves: Sequence[bool], groups: Seque
         k * region.carry_bytes for region, k in zip(step.regions, groups, strict=True) if k != 1)
 
 
-def min_budget(graph: CostGraph, least_with: Callable[[Groups], int]) -> int:
+def min_budget_over_groups(graph: CostGraph, least_with: Callable[[Groups], int]) -> int:
     """The smallest budget any candidate group count fits."""
     return min(least_with(groups) for groups in candidate_groups(graph))

@@ -1,4 +1,5 @@
-"""Offload as a third choice: the request options and how a transfer is priced.
+"""Offload as a third choice: the request options, how a transfer is priced, and
+how a plan's residuals split between device and host memory.
 
 JAX 0.10 turns ``Offloadable(src="device", dst="pinned_host")`` into one
 ``device_put`` to host memory in the forward pass and one back to the device in
@@ -8,6 +9,9 @@ with their copies). So an offloaded value is needed exactly when a saved one
 would be, its bytes leave device residuals for host residuals, and every host
 byte crosses the link twice. ``tests/test_offload.py`` checks this against the
 jaxpr JAX produces.
+
+So the device/host split of a plan's residuals is by producer
+(``evaluate_offload``), on top of ``semantics.evaluate``.
 
 The solve minimises estimated seconds,
 ``recompute_flops / device_flop_rate + transfer_bytes / host_bandwidth``,
@@ -19,9 +23,14 @@ an upper bound on the time a plan adds.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from dataclasses import dataclass
 from fractions import Fraction
 
 from pydantic import BaseModel, ConfigDict, Field, StrictInt
+
+from optiremat.solver.graph import CostGraph
+from optiremat.solver.semantics import Evaluation, evaluate
 
 TRANSFERS_PER_BYTE = 2  # device -> host in the forward pass, host -> device in the backward
 
@@ -67,3 +76,26 @@ class OffloadReport(BaseModel):
     transfer_bytes: StrictInt  # bytes over the link, both directions
     estimated_seconds: float  # recompute and transfer time the plan adds, not overlapped
     lower_bound_seconds: float  # the solver's bound on that
+
+
+@dataclass(frozen=True)
+class OffloadPlan:
+    """Decisions priced exactly: per node save flags and which saves are offloaded."""
+
+    saves: tuple[bool, ...]
+    offloaded: tuple[bool, ...]
+    evaluation: Evaluation
+    device_bytes: int
+    host_bytes: int
+
+
+def evaluate_offload(graph: CostGraph, saves: Sequence[bool], offloaded: Sequence[bool],
+                     evaluation: Evaluation | None = None) -> OffloadPlan:
+    """Device and host residual bytes of a plan (an offloaded node must be saved);
+    ``evaluation`` is ``evaluate(graph, saves)`` when the caller has it."""
+    ev = evaluate(graph, saves) if evaluation is None else evaluation
+    host = 0
+    if any(offloaded):
+        host = sum(graph.value_bytes[v] for v in ev.residuals
+                   if (p := graph.producer[v]) is not None and offloaded[p])
+    return OffloadPlan(tuple(saves), tuple(offloaded), ev, ev.residual_bytes - host, host)

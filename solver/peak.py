@@ -34,6 +34,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from optiremat.solver.graph import CostGraph, GraphError
 from optiremat.solver.semantics import evaluate
@@ -138,7 +139,7 @@ class BudgetView:
         ``saved_residuals`` lists), and the predicted peak."""
         if self.memory == Memory.RESIDUALS:
             return answer
-        update: dict[str, object] = {"graph_hash": graph.content_hash, "budget_bytes": budget}
+        update: dict[str, Any] = {"graph_hash": graph.content_hash, "budget_bytes": budget}
         if answer.node_decisions:
             full = evaluate(graph, [d != "recompute" for d in answer.node_decisions])
             update["residual_bytes"] = full.residual_bytes - answer.host_bytes

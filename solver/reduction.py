@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from optiremat.solver.graph import CostGraph
+from optiremat.solver.graph import CostGraph, NodeMode
 from optiremat.solver.semantics import evaluate
 
 
@@ -65,8 +65,6 @@ def dominated_choices(graph: CostGraph, b: Bounds, tie: bool) -> dict[int, bool]
     chain rule, which also changes the producer's decision, applies only to
     nodes that decide alone (no key) with producers that decide alone.
     """
-    from optiremat.solver.graph import NodeMode
-
     modes, keys, flops = graph.node_mode, graph.node_key, graph.node_flops
     outs, ins, producer = graph.node_outputs, graph.node_inputs, graph.producer
     nbytes = graph.value_bytes

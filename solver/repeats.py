@@ -15,8 +15,9 @@ Their needed values, recomputes and residuals are then the same, and ``C_1``
 with its FLOPs and bytes multiplied by ``K - 1`` stands for all of them
 *exactly*, for every tied decision vector. The folded graph keeps the prefix,
 that representative, ``C_K`` (now reading the representative) and the suffix;
-the tied MILP on it has the optimum and bound of the full one, and
-``optiremat.solver.solve`` still prices the answer on the full graph.
+the tied MILP on it has the optimum and bound of the full one. ``FoldedSearch``
+searches it and prices the answer on the full graph again, where the two prices
+must agree to the byte and FLOP.
 
 The conditions are checked, not assumed: the copies are identical node for
 node (policy key, primitive, FLOPs, mode, output bytes, backward reads, and
@@ -34,9 +35,16 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TypeVar, cast
+from typing import TYPE_CHECKING, Any, TypeVar, cast
 
+from optiremat.solver.baselines import compare
 from optiremat.solver.graph import CostGraph, NodeMode
+from optiremat.solver.offload import evaluate_offload
+from optiremat.solver.semantics import baseline_backward_flops
+from optiremat.solver.solution import Solution
+
+if TYPE_CHECKING:
+    from optiremat.solver.search import Search
 
 T = TypeVar("T")
 
@@ -82,8 +90,8 @@ class Compressed:
         full: list[T | None] = [None] * (len(self.kept) + (r.copies - 2) * r.period)
         for n, d in zip(self.kept, decisions, strict=True):
             full[n] = d
-        for n, d in enumerate(full):
-            if d is None:
+        for n, decided in enumerate(full):
+            if decided is None:
                 full[n] = full[r.start + (n - r.start) % r.period]
         return cast(list[T], full)
 
@@ -113,7 +121,7 @@ _RECENT: dict[str, Compressed | None] = {}
 def _signatures(graph: CostGraph) -> list[int]:
     """Per node, an id equal for nodes that look the same apart from their edges."""
     reads = set(graph.backward_reads)
-    ids: dict[tuple, int] = {}
+    ids: dict[tuple[object, ...], int] = {}
     out = []
     for n in range(graph.num_nodes):
         outs = graph.node_outputs[n]
@@ -218,14 +226,14 @@ def why_not_folded(graph: CostGraph, r: Repeats) -> str | None:
     readers = _input_readers(graph, r)
     crossing: dict[int, set[int]] = {}  # copy -> the values from before it that it reads
     entry: set[tuple[int, int]] = set()  # where in the copy before, for copies 2 .. K
-    shape: list[tuple] = []  # the first copy's input descriptors, per offset
+    shape: list[tuple[tuple[object, ...], ...]] = []  # the first copy's inputs, per offset
     for n in range(r.start, end):
         i, j = divmod(n - r.start, r.period)
         if graph.node_mode[n] == NodeMode.FREE and not graph.node_key[n]:
             return f"node {graph.node_id[n]} in copy {i} is free without a policy key"
         if any(v in carried for v in (*ins[n], *outs[n])):
             return f"node {graph.node_id[n]} in copy {i} touches a loop carry"
-        described: list[tuple] = []
+        described: list[tuple[object, ...]] = []
         for v in ins[n]:
             p = producer[v]
             if p is None:
@@ -251,7 +259,7 @@ def why_not_folded(graph: CostGraph, r: Repeats) -> str | None:
     # A shared graph input is needed if any of its readers needs it, unless the
     # backward pass reads it anyway: then it is needed whatever the copies do.
     for v, copies in readers.items():
-        inside = copies - {None}
+        inside = [c for c in copies if c is not None]
         if inside and len(copies) > 1 and graph.value_id[v] not in reads:
             where = " and outside them" if None in copies else ""
             return f"graph input {graph.value_id[v]} is read by copies {sorted(inside)}{where}"
@@ -308,7 +316,9 @@ def _fold(graph: CostGraph, r: Repeats) -> tuple[CostGraph, tuple[int, ...]]:
     kept_values = [v for v in range(graph.num_values) if keep_value[v]]
 
     ids = graph.value_id
-    input_ptr, input_ids, output_ptr, output_ids = [0], [], [0], []
+    input_ptr, output_ptr = [0], [0]
+    input_ids: list[int] = []
+    output_ids: list[int] = []
     for n in keep_nodes:
         input_ids.extend(ids[rewire.get(v, v)] for v in graph.node_inputs[n])
         input_ptr.append(len(input_ids))
@@ -342,3 +352,46 @@ def _fold(graph: CostGraph, r: Repeats) -> tuple[CostGraph, tuple[int, ...]]:
         ),
     )
     return folded, tuple(keep_nodes)
+
+
+# ---- searching the folded graph -------------------------------------------------
+
+
+class FoldedSearch:
+    """A tied search on the folded graph that answers for the full one.
+
+    A start plan is restricted to the folded graph; the answer is expanded onto
+    the full graph and priced there again, where the two prices must agree to
+    the byte and FLOP (device and host bytes alike).
+    """
+
+    def __init__(self, graph: CostGraph, folded: Compressed, inner: Search) -> None:
+        self.graph = graph
+        self.folded = folded
+        self.baseline = baseline_backward_flops(graph)
+        self.inner = inner
+
+    def restart_clock(self, started: float) -> None:
+        self.inner.restart_clock(started)
+
+    def solve(self, budget: int, start: Sequence[bool] | None = None) -> Solution:
+        inner_start = None if start is None else self.folded.restrict(list(start))
+        return self._unfold(self.inner.solve(budget, inner_start), budget)
+
+    def min_budget(self) -> int:
+        return self.inner.min_budget()
+
+    def _unfold(self, answer: Solution, budget: int) -> Solution:
+        update: dict[str, Any] = {"graph_hash": self.graph.content_hash}
+        if answer.node_decisions:
+            decisions = self.folded.expand(answer.node_decisions)
+            plan = evaluate_offload(self.graph, [d != "recompute" for d in decisions],
+                                    [d == "offload" for d in decisions])
+            recompute = plan.evaluation.backward_flops - self.baseline
+            assert (plan.device_bytes, plan.host_bytes, recompute) == (
+                answer.residual_bytes, answer.host_bytes, answer.recompute_flops,
+            ), "the folded graph priced the plan differently from the full graph"
+            update["node_decisions"] = decisions
+            if answer.baselines is not None:
+                update["baselines"] = compare(self.graph, budget, recompute)
+        return answer.model_copy(update=update)

@@ -57,7 +57,7 @@ def _propagate(graph: CostGraph, save: Sequence[bool]) -> Evaluation:
             stack.extend(graph.node_inputs[p])
 
     residuals = tuple(v for v in range(graph.num_values)
-                      if needed[v] and _kept(producer[v], save))
+                      if needed[v] and ((p := producer[v]) is None or save[p]))
     active_nodes = tuple(n for n in range(graph.num_nodes) if active[n])
     return Evaluation(
         residual_bytes=sum(graph.value_bytes[v] for v in residuals),
@@ -66,11 +66,6 @@ def _propagate(graph: CostGraph, save: Sequence[bool]) -> Evaluation:
         active=active_nodes,
         needed=tuple(v for v in range(graph.num_values) if needed[v]),
     )
-
-
-def _kept(producer: int | None, save: Sequence[bool]) -> bool:
-    """A needed value is a residual when it is an input or its producer is saved."""
-    return producer is None or save[producer]
 
 
 def baseline_backward_flops(graph: CostGraph) -> int:

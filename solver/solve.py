@@ -1,77 +1,31 @@
-"""Solve a cost graph for a budget: phases, exact checks and the Solution.
+"""Solve a cost graph for a budget: the solver's requests.
 
-A solve is lexicographic. Phase 1 minimises recompute FLOPs within the budget;
-phase 2 fixes the FLOPs at that optimum and minimises residual bytes, so of
-all equally cheap plans the answer is the leanest one; ``canonical`` then
-drops saves that have no effect. Backends run single-threaded with fixed seeds
-and phase 2 is bounded by deterministic work, so the same request gives the
-same Solution on every run and host whenever phase 1 finishes inside
-``time_limit_s``; a search cut off by the wall clock or by ``cancel`` (status
-feasible) returns whatever it had at that moment.
-
-Phase 1 starts from the best of a few plans that fit the budget: a caller's
-plan (``solve_from``; a sweep passes the neighbouring budget's), for an untied
-solve the tied optimum found in ``TIED_SHARE`` of the time limit and the
-plans of the Lagrangian walk (``optiremat.solver.lagrange``), else the greedy knapsack
-(``optiremat.solver.baselines``). The backend is hinted with it and cut off at its
-FLOPs, so a search stopped early still answers with at least that plan, and an
-untied answer is never worse than the tied one. The walk's bound is valid for
-every untied plan: it stops the search at the first incumbent it proves within
-``relative_gap`` (or skips the search when it proves the start), and it is the
-reported bound when it beats the backend's. A model too big for the time left
-(``MILP_VARIABLES_PER_SECOND``) is not searched at all. ``direct=True`` skips
-the starts, the bound and the reductions: the reference model for tests and
-benchmarks. Tied solves of graphs with repeated layers run on the folded graph
-(``optiremat.solver.repeats``).
-
-Every plan a backend proposes is re-evaluated with ``semantics.evaluate``;
-reported bytes and FLOPs are those exact integers, never a solver's floats. A
-floating-point backend whose plan turns out over budget is asked again with a
-tighter cap, and after a few tries CP-SAT, which is exact, takes over.
+``solve`` answers one budget, ``BudgetSeries`` (and ``solve_from``) several budgets of
+one graph on one formulation and backend model, ``min_feasible_budget`` and
+``max_useful_budget`` the ends of a frontier. A budget means the peak of the
+training step or residual bytes (``optiremat.solver.peak``): each request runs
+its search on the view of the graph that budget needs. The search itself,
+phases, starts, exact pricing and the Solution, is ``optiremat.solver.search``.
 """
 
 from __future__ import annotations
 
-import math
 import threading
 import time
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from collections.abc import Sequence
 from typing import Any
 
-import ortools
-
-from optiremat.solver import nesting
-from optiremat.solver.backends import Goal, MilpBackend, Objective, Outcome, RawResult, make_backend
-from optiremat.solver.baselines import compare, greedy_saves
-from optiremat.solver.formulation import Formulation, build
 from optiremat.solver.graph import CostGraph
-from optiremat.solver.lagrange import CutModel, bound_and_plans
+from optiremat.solver.nesting import choose_groups, min_budget_over_groups, nests
 from optiremat.solver.peak import BudgetView, canonical_options, resolve_memory
-from optiremat.solver.repeats import Compressed, compress
-from optiremat.solver.semantics import Evaluation, baseline_backward_flops, evaluate
-from optiremat.solver.solution import (
-    Backend,
-    InfeasibleBudgetError,
-    Solution,
-    SolveOptions,
-    SolveStatus,
-)
+from optiremat.solver.repeats import FoldedSearch
+from optiremat.solver.search import ProgressCallback, Search, search_for
+from optiremat.solver.semantics import evaluate
+from optiremat.solver.solution import Backend, Solution, SolveOptions
 from optiremat.solver.step import Memory
 
-# progress(incumbent_flops, bound_flops, elapsed_s), FLOPs in recompute units.
-ProgressCallback = Callable[[int, int, float], None]
-
-MAX_TIGHTENINGS = 3  # re-solves of an over-budget floating-point plan before CP-SAT takes over
-PHASE2_WORK = 2.0  # phase 2's effort cap, relative to phase 1's
-TIED_SHARE = 0.25  # of an untied solve's time limit, spent first on the tied plan it starts from
-# CP-SAT's presolve alone took 54 s on the 347k-variable untied model of a
-# 100k-node graph (and ignored its time limit meanwhile); a 30k-variable model
-# solves in 10 s. Below this rate of variables per second left, no search is
-# tried and the answer is the best start with the cut's bound.
-MILP_VARIABLES_PER_SECOND = 5_000
-FINISH_SHARE = 0.05  # of the time limit, kept for evaluating and reporting the plan
-BOUND_EPSILON = 1e-6  # a float bound this close below an integer counts as that integer
+__all__ = ["ProgressCallback", "BudgetSeries", "max_useful_budget", "min_feasible_budget",
+           "resolve_options", "solve", "solve_from"]
 
 
 def solve(
@@ -99,66 +53,19 @@ def solve(
     if isinstance(budget_bytes, bool) or not isinstance(budget_bytes, int) or budget_bytes < 0:
         raise ValueError(f"budget_bytes must be a non-negative integer, got {budget_bytes!r}")
     options = canonical_options(graph, options)
-    if groups is None and options.nest and nesting.nests(graph, resolve_memory(graph,
+    if groups is None and options.nest and nests(graph, resolve_memory(graph,
                                                                                options.memory)):
-        return nesting.choose(graph, budget_bytes, lambda g: solve(
+        return choose_groups(graph, budget_bytes, lambda g: solve(
             graph, budget_bytes, options, progress=progress, cancel=cancel, groups=g))
     view = BudgetView.of(graph, options.memory, groups)
 
     def search(g: CostGraph, budget: int) -> Solution:
-        if options.offload is not None:  # a third choice: its own CP-SAT model
-            return _solve_offload(g, budget, options, started, progress, cancel)
-        return _search(g, options, started, progress, cancel).solve(budget)
+        return search_for(g, options, started, progress, cancel).solve(budget)
 
     def least() -> int:
-        return _search(view.graph, options, started, None, cancel).min_budget()
+        return search_for(view.graph, options, started, None, cancel).min_budget()
 
     return view.solve(graph, budget_bytes, search, least)
-
-
-def _solve_offload(
-    graph: CostGraph,
-    budget: int,
-    options: SolveOptions,
-    started: float,
-    progress: ProgressCallback | None,
-    cancel: threading.Event | None,
-) -> Solution:
-    """The offload solve, on the folded graph when a tied plan's layers fold.
-
-    Offloading moves a residual, it never changes what is needed, so the
-    folding argument (``optiremat.solver.repeats``) holds for save/offload/recompute
-    decisions tied by key as it does for save/recompute.
-    """
-    from optiremat.solver.offload_solve import solve_offload
-
-    folded = compress(graph) if options.tie and not options.direct else None
-    answer = solve_offload(graph if folded is None else folded.graph, budget, options,
-                           progress=progress, cancel=cancel, started=started)
-    if folded is None:
-        return answer
-    return _unfold(graph, folded, answer, budget, baseline_backward_flops(graph))
-
-
-def _unfold(graph: CostGraph, folded: Compressed, answer: Solution, budget: int,
-            baseline: int) -> Solution:
-    """The folded graph's answer on the full graph, priced there again: the two
-    prices must agree to the byte and FLOP (device and host bytes alike)."""
-    from optiremat.solver.offload_solve import evaluate_offload
-
-    update: dict[str, Any] = {"graph_hash": graph.content_hash}
-    if answer.node_decisions:
-        decisions = folded.expand(answer.node_decisions)
-        plan = evaluate_offload(graph, [d != "recompute" for d in decisions],
-                                [d == "offload" for d in decisions])
-        recompute = plan.evaluation.backward_flops - baseline
-        assert (plan.device_bytes, plan.host_bytes, recompute) == (
-            answer.residual_bytes, answer.host_bytes, answer.recompute_flops,
-        ), "the folded graph priced the plan differently from the full graph"
-        update["node_decisions"] = decisions
-        if answer.baselines is not None:
-            update["baselines"] = compare(graph, budget, recompute)
-    return answer.model_copy(update=update)
 
 
 def solve_from(
@@ -172,13 +79,19 @@ def solve_from(
     """``solve`` that starts from a plan (per node save flags), e.g. a neighbouring
     budget's answer in a sweep: when it fits, the search is hinted with it and
     cut off at its FLOPs, so the answer is never worse than ``start``."""
-    return Sweep(graph, options, cancel).solve(budget_bytes, start)
+    return BudgetSeries(graph, options, cancel).solve(budget_bytes, start)
 
 
-class Sweep:
+class BudgetSeries:
     """Solves of one graph at several budgets sharing one formulation and backend
     model, as a frontier needs: each ``solve`` has the full time limit and, like
-    ``solve_from``, starts from the plan it is given."""
+    ``solve_from``, starts from the plan it is given.
+
+    With offload each budget is a request of its own, answered as ``solve``
+    answers it: an offload search takes no start (``optiremat.solver.search``),
+    and a model shared between budgets hints each with the last answer it found,
+    which changed 38 of 144 points of offload sweeps on transformer stacks.
+    """
 
     def __init__(
         self, graph: CostGraph, options: SolveOptions, cancel: threading.Event | None = None,
@@ -188,26 +101,30 @@ class Sweep:
         self._options = canonical_options(graph, options)
         self._cancel = cancel
         memory = resolve_memory(graph, self._options.memory)
-        self._nested: dict[tuple[int, ...], Sweep] | None = None
-        if groups is None and self._options.nest and nesting.nests(graph, memory):
+        self._nested: dict[tuple[int, ...], BudgetSeries] | None = None
+        if groups is None and self._options.nest and nests(graph, memory):
             self._nested = {}  # one sweep per group count, built on first use
             return
         self._view = BudgetView.of(graph, self._options.memory, groups)
-        self._search = _search(self._view.graph, self._options, time.monotonic(), None, cancel)
+        self._shared = self._search() if self._options.offload is None else None
 
     def solve(self, budget_bytes: int, start: Sequence[bool] | None = None) -> Solution:
         if self._nested is not None:
-            return nesting.choose(self._graph, budget_bytes,
+            return choose_groups(self._graph, budget_bytes,
                                   lambda g: self._grouped(g).solve(budget_bytes, start))
-        self._search.restart_clock(time.monotonic())
+        search = self._shared or self._search()
+        search.restart_clock(time.monotonic())
         return self._view.solve(self._graph, budget_bytes,
-                                lambda _, budget: self._search.solve(budget, start),
-                                self._search.min_budget)
+                                lambda _, budget: search.solve(budget, start),
+                                search.min_budget)
 
-    def _grouped(self, groups: tuple[int, ...]) -> Sweep:
+    def _search(self) -> Search | FoldedSearch:
+        return search_for(self._view.graph, self._options, time.monotonic(), None, self._cancel)
+
+    def _grouped(self, groups: tuple[int, ...]) -> BudgetSeries:
         assert self._nested is not None
         if groups not in self._nested:
-            self._nested[groups] = Sweep(self._graph, self._options, self._cancel, groups)
+            self._nested[groups] = BudgetSeries(self._graph, self._options, self._cancel, groups)
         return self._nested[groups]
 
 
@@ -219,11 +136,11 @@ def min_feasible_budget(graph: CostGraph, tie: bool = True, memory: Memory | Non
 
     def least(groups: Sequence[int] | None) -> int:
         view = BudgetView.of(graph, memory, groups)
-        return view.budget(_search(view.graph, options, time.monotonic(), None, None)
+        return view.budget(search_for(view.graph, options, time.monotonic(), None, None)
                            .min_budget())
 
-    if nest and nesting.nests(graph, resolve_memory(graph, memory)):
-        return nesting.min_budget(graph, least)
+    if nest and nests(graph, resolve_memory(graph, memory)):
+        return min_budget_over_groups(graph, least)
     return least(None)
 
 
@@ -239,382 +156,3 @@ def resolve_options(options: SolveOptions | None, overrides: dict[str, Any]) -> 
     if not overrides:
         return base
     return SolveOptions.model_validate({**base.model_dump(), **overrides})
-
-
-def _search(
-    graph: CostGraph,
-    options: SolveOptions,
-    started: float,
-    progress: ProgressCallback | None,
-    cancel: threading.Event | None,
-) -> _Search | _FoldedSearch:
-    """The search for one request: on the folded graph when a tied plan's repeated
-    layers fold exactly (``optiremat.solver.repeats``), else on the graph itself."""
-    if options.tie and not options.direct:
-        folded = compress(graph)
-        if folded is not None:
-            inner = _Search(folded.graph, options, started, progress, cancel)
-            return _FoldedSearch(graph, folded, inner)
-    return _Search(graph, options, started, progress, cancel)
-
-
-@dataclass(frozen=True)
-class _Plan:
-    decisions: tuple[bool, ...]
-    evaluation: Evaluation
-    recompute_flops: int
-
-    @property
-    def residual_bytes(self) -> int:
-        return self.evaluation.residual_bytes
-
-
-class _Search:
-    """One request: the formulation, the clock, and the backends built so far."""
-
-    def __init__(
-        self,
-        graph: CostGraph,
-        options: SolveOptions,
-        started: float,
-        progress: ProgressCallback | None,
-        cancel: threading.Event | None,
-    ) -> None:
-        self.graph = graph
-        self.options = options
-        self.restart_clock(started)
-        self.progress = progress
-        self.cancel = cancel
-        self.f: Formulation = build(graph, options.tie, reduce=not options.direct)
-        self.baseline = baseline_backward_flops(graph)
-        self._backends: dict[Backend, MilpBackend] = {}
-        self._cut_model: CutModel | None = None
-        self._cut_bound: int | None = None  # recompute FLOPs no plan within the budget beats
-        self._cut_proved = False  # the cut's bound proved a start before any search
-
-    def restart_clock(self, started: float) -> None:
-        """Time the next request from ``started`` (a sweep's next budget)."""
-        self.started = started
-        # The backends stop early enough to leave time for pricing the answer.
-        self.deadline = started + self.options.time_limit_s * (1 - FINISH_SHARE)
-
-    # ---- the request ------------------------------------------------------
-
-    def solve(self, budget: int, start: Sequence[bool] | None = None) -> Solution:
-        kind = self.options.backend
-        plan: _Plan | None
-        full = max_useful_budget(self.graph, Memory.RESIDUALS)
-        starts = [self._start_plan(budget, start)]
-        cancelled = self.cancel is not None and self.cancel.is_set()
-        self._cut_bound, self._cut_proved = None, False
-        if not self.options.direct and budget < full and not cancelled:
-            # An untied search starts from the tied optimum and from the cut's
-            # plans, whose bound may prove one of them (``optiremat.solver.lagrange``).
-            # Without any, the greedy knapsack (over policy keys) gives one in
-            # well under a second, so the search always has an incumbent.
-            if not self.options.tie:
-                starts.append(self._start_plan(budget, self._tied_start(budget)))
-                starts.append(self._cut_start(budget))
-            if all(p is None for p in starts):
-                starts.append(self._start_plan(budget, greedy_saves(self.graph, budget)))
-        plans = [p for p in starts if p is not None]
-        start_plan = min(plans, key=lambda p: (p.recompute_flops, p.residual_bytes), default=None)
-        if budget >= full:
-            # Saving everything fits and runs the fewest nodes: phase 1 is answered.
-            save_all = self._plan((True,) * self.f.num_decisions)
-            fewest = float(self.f.recompute_flops.cap(save_all.recompute_flops))
-            first, plan = RawResult(Outcome.OPTIMAL, save_all.decisions, fewest), save_all
-        else:
-            kind, first, plan = self._min_flops(kind, budget, start_plan)
-            if first.outcome == Outcome.INFEASIBLE:
-                min_budget = self.min_budget()
-                if min_budget <= budget:  # a floating-point backend was wrong; ask CP-SAT
-                    kind, first, plan = self._min_flops(Backend.CPSAT, budget)
-                else:
-                    raise InfeasibleBudgetError(budget, min_budget)
-        if plan is None:
-            return self._solution(budget, kind, SolveStatus.TIMED_OUT, None, 0)
-        if first.outcome == Outcome.OPTIMAL and not self._cut_proved:
-            # Phase 2 refines a search's answer; a plan the cut's bound proved
-            # before any search is answered as the cut found it.
-            plan = self._leanest(kind, budget, plan, first.work)
-        lower_bound = min(max(self._flops_bound(first.bound), self._cut_bound or 0),
-                          plan.recompute_flops)
-        proven = (first.outcome == Outcome.OPTIMAL or lower_bound == plan.recompute_flops
-                  or self._good_enough(plan.recompute_flops))
-        status = SolveStatus.OPTIMAL if proven else SolveStatus.FEASIBLE
-        return self._solution(budget, kind, status, plan, lower_bound)
-
-    def min_budget(self) -> int:
-        """Smallest residual bytes over all plans, by CP-SAT (exact integers)."""
-        raw = self._run(Backend.CPSAT, Goal(Objective.BYTES))
-        extremes = [(True,) * self.f.num_decisions, (False,) * self.f.num_decisions]
-        candidates = extremes + ([raw.decisions] if raw.decisions is not None else [])
-        return min(self._plan(d).residual_bytes for d in candidates)
-
-    # ---- starting points --------------------------------------------------
-
-    def _tied_start(self, budget: int) -> list[bool] | None:
-        """The tied optimum (within a share of the time limit), as per-node saves.
-
-        Every tied plan is an untied plan too, so starting the untied search
-        from it, cut off at its FLOPs, means an untied answer is never worse
-        than the tied one even when the untied search is stopped early.
-        """
-        options = self.options.model_copy(
-            update={"tie": True, "time_limit_s": self.options.time_limit_s * TIED_SHARE}
-        )
-        try:
-            tied = _search(self.graph, options, time.monotonic(), None, self.cancel)
-            tied = tied.solve(budget)
-        except InfeasibleBudgetError:
-            return None
-        if not tied.node_decisions:
-            return None
-        return [d == "save" for d in tied.node_decisions]
-
-    def _cut_start(self, budget: int) -> _Plan | None:
-        """The cheapest plan the Lagrangian walk meets, and its bound kept for later."""
-        if self._cut_model is None:
-            self._cut_model = CutModel(self.graph)
-        found = bound_and_plans(self.graph, budget, self.deadline, self._cut_model)
-        self._cut_bound = found.backward_flops - self.baseline
-        return None if found.best is None else self._start_plan(budget, found.best.saves)
-
-    def _scaled_cut_bound(self) -> float:
-        """The cut's bound in the formulation's scaled FLOPs (0 without one)."""
-        if self._cut_bound is None:
-            return 0.0
-        flops = self.f.recompute_flops
-        return float(max(0, -(-(self._cut_bound - flops.offset) // flops.scale)))
-
-    def _search_fits(self) -> bool:
-        """Whether a MILP of this size can get anywhere in the time left."""
-        remaining = self.deadline - time.monotonic()
-        return len(self.f.var_names) <= MILP_VARIABLES_PER_SECOND * remaining
-
-    def _good_enough(self, recompute_flops: int) -> bool:
-        """The cut's bound proves these FLOPs within the requested relative gap."""
-        if self._cut_bound is None:
-            return False
-        gap = self.options.relative_gap
-        return recompute_flops - self._cut_bound <= gap * recompute_flops
-
-    def _stop_at(self) -> int | None:
-        """Scaled FLOPs at which a search may stop: the cut's bound proves them."""
-        if self._cut_bound is None or self.options.relative_gap >= 1:
-            return None
-        target = math.floor(self._cut_bound / (1 - self.options.relative_gap))
-        return self.f.recompute_flops.cap(target)
-
-    def _start_plan(self, budget: int, start: Sequence[bool] | None) -> _Plan | None:
-        if start is None:
-            return None
-        decisions = tuple(any(start[n] for n in nodes) for nodes in self.f.decision_nodes)
-        plan = self._plan(decisions)
-        return plan if plan.residual_bytes <= budget else None
-
-    # ---- phases -----------------------------------------------------------
-
-    def _min_flops(
-        self, kind: Backend, budget: int, start: _Plan | None = None
-    ) -> tuple[Backend, RawResult, _Plan | None]:
-        """Phase 1, with over-budget floating-point plans tightened and re-solved.
-
-        With a ``start`` plan within budget the search is hinted with it and cut
-        off at its FLOPs; if the search finds nothing better, ``start`` is the answer.
-        """
-        if start is not None and self._good_enough(start.recompute_flops):
-            self._cut_proved = True
-            proven = RawResult(Outcome.OPTIMAL, start.decisions, self._scaled_cut_bound())
-            return kind, proven, start
-        if not self._search_fits():
-            # No time for a search this size: answer with the start, bounded by the cut.
-            outcome = Outcome.FEASIBLE if start is not None else Outcome.NO_SOLUTION
-            bound = self._scaled_cut_bound()
-            return kind, RawResult(outcome, start and start.decisions, bound), start
-        if start is not None and self.progress is not None:
-            # The start is an incumbent already: report it, since SCIP (through
-            # pywraplp) reports nothing more until it finishes.
-            fewest = self._plan((True,) * self.f.num_decisions).recompute_flops
-            self.progress(start.recompute_flops, min(fewest, start.recompute_flops),
-                          time.monotonic() - self.started)
-        kind, raw, plan = self._min_flops_search(kind, budget, start)
-        if start is None or (plan is not None and plan.recompute_flops <= start.recompute_flops):
-            return kind, raw, plan
-        if raw.outcome == Outcome.OPTIMAL:  # proven: nothing cheaper than the start fits
-            scaled = float(self.f.recompute_flops.cap(start.recompute_flops))
-            return kind, RawResult(Outcome.OPTIMAL, start.decisions, scaled, raw.work), start
-        return kind, RawResult(Outcome.FEASIBLE, start.decisions, raw.bound, raw.work), start
-
-    def _min_flops_search(
-        self, kind: Backend, budget: int, start: _Plan | None
-    ) -> tuple[Backend, RawResult, _Plan | None]:
-        cap = self.f.residual_bytes.cap(budget)
-        flops_cap = None
-        if start is not None:
-            self._backend(kind).hint(self.f.assignment(self.graph, start.decisions))
-            flops_cap = self.f.recompute_flops.cap(start.recompute_flops)
-        for attempt in range(MAX_TIGHTENINGS + 1):
-            if cap < 0:
-                raw = RawResult(Outcome.INFEASIBLE, None, 0.0)
-            else:
-                goal = Goal(Objective.FLOPS, bytes_cap=cap, flops_cap=flops_cap)
-                raw = self._run(kind, goal, report=True, stop_at=self._stop_at())
-            if raw.decisions is None:
-                if raw.outcome == Outcome.INFEASIBLE and (attempt > 0 or start is not None):
-                    break  # infeasible only because we tightened or cut off at the start
-                return kind, raw, None
-            plan = self._plan(raw.decisions)
-            excess = plan.residual_bytes - budget
-            if excess <= 0:
-                return kind, raw, plan
-            cap -= -(-excess // self.f.residual_bytes.scale)
-        if start is not None:
-            # Nothing below the start's FLOPs fits: with an exact backend that proves it.
-            exact = kind == Backend.CPSAT and raw.outcome == Outcome.INFEASIBLE
-            outcome = Outcome.OPTIMAL if exact else Outcome.FEASIBLE
-            return kind, RawResult(outcome, None, raw.bound, raw.work), None
-        if kind == Backend.CPSAT:
-            raise AssertionError("CP-SAT returned a plan over budget; the formulation is wrong")
-        return self._min_flops(Backend.CPSAT, budget)
-
-    def _leanest(self, kind: Backend, budget: int, plan: _Plan, phase1_work: float) -> _Plan:
-        """Phase 2: the fewest residual bytes among plans with the optimal FLOPs.
-
-        Its effort is capped in deterministic units (at most ``PHASE2_WORK``
-        times phase 1's) and only a proven answer replaces phase 1's plan, so
-        whether the tie-break happened never depends on the machine's speed.
-        """
-        goal = Goal(
-            Objective.BYTES,
-            bytes_cap=self.f.residual_bytes.cap(budget),
-            flops_cap=self.f.recompute_flops.cap(plan.recompute_flops),
-        )
-        backend = self._backend(kind)
-        raw = self._run(kind, goal, work_limit=max(backend.min_work, PHASE2_WORK * phase1_work))
-        if raw.outcome != Outcome.OPTIMAL or raw.decisions is None:
-            return plan
-        lean = self._plan(raw.decisions)
-        better = (lean.recompute_flops, lean.residual_bytes) <= (
-            plan.recompute_flops,
-            plan.residual_bytes,
-        )
-        return lean if better and lean.residual_bytes <= budget else plan
-
-    # ---- helpers ----------------------------------------------------------
-
-    def _backend(self, kind: Backend) -> MilpBackend:
-        if kind not in self._backends:
-            self._backends[kind] = make_backend(kind, self.f)
-        return self._backends[kind]
-
-    def _run(
-        self,
-        kind: Backend,
-        goal: Goal,
-        *,
-        report: bool = False,
-        work_limit: float | None = None,
-        stop_at: int | None = None,
-    ) -> RawResult:
-        remaining = self.deadline - time.monotonic()
-        if remaining <= 0 or (self.cancel is not None and self.cancel.is_set()):
-            return RawResult(Outcome.NO_SOLUTION, None, 0.0)
-        on_incumbent = self._report if report and self.progress is not None else None
-        return self._backend(kind).minimize(
-            goal,
-            time_limit_s=remaining,
-            relative_gap=self.options.relative_gap,
-            work_limit=work_limit,
-            on_incumbent=on_incumbent,
-            cancel=self.cancel,
-            stop_at=stop_at,
-        )
-
-    def _report(self, objective: float, bound: float) -> None:
-        assert self.progress is not None
-        incumbent = self.f.recompute_flops.raw(round(objective))
-        lower = min(incumbent, max(self._flops_bound(bound), self._cut_bound or 0))
-        self.progress(incumbent, lower, time.monotonic() - self.started)
-
-    def _flops_bound(self, bound: float) -> int:
-        """A solver's bound on the scaled objective as recompute FLOPs (integers: round up)."""
-        return max(0, self.f.recompute_flops.raw(math.ceil(bound - BOUND_EPSILON)))
-
-    def _plan(self, decisions: Sequence[bool]) -> _Plan:
-        evaluation = evaluate(self.graph, self.f.node_saves(self.graph, decisions))
-        return _Plan(tuple(decisions), evaluation, evaluation.backward_flops - self.baseline)
-
-    def _solution(
-        self,
-        budget: int,
-        kind: Backend,
-        status: SolveStatus,
-        plan: _Plan | None,
-        lower_bound: int,
-    ) -> Solution:
-        common = dict(
-            graph_hash=self.graph.content_hash,
-            budget_bytes=budget,
-            options=self.options,
-            status=status,
-            solver=kind.value,
-            solver_version=ortools.__version__,
-        )
-        if plan is None:  # stopped before any plan was found
-            return Solution(
-                **common,
-                residual_bytes=0,
-                recompute_flops=0,
-                lower_bound_flops=0,
-                gap=1.0,
-                saved_keys=[],
-                node_decisions=[],
-                solve_seconds=time.monotonic() - self.started,
-            )
-        decisions, evaluation = self.f.canonical(self.graph, plan.decisions)
-        recompute = evaluation.backward_flops - self.baseline
-        assert (recompute, evaluation.residual_bytes) == (
-            plan.recompute_flops,
-            plan.residual_bytes,
-        ), "dropping ineffective saves changed the cost"
-        saves = self.f.node_saves(self.graph, decisions)
-        keys = zip(self.f.decision_keys, decisions, strict=True)
-        return Solution(
-            **common,
-            residual_bytes=evaluation.residual_bytes,
-            recompute_flops=recompute,
-            lower_bound_flops=lower_bound,
-            gap=0.0 if recompute == lower_bound else (recompute - lower_bound) / recompute,
-            saved_keys=sorted({key for key, d in keys if d and key}),
-            node_decisions=["save" if s else "recompute" for s in saves],
-            baselines=(compare(self.graph, budget, recompute)
-                       if self.options.compare_baselines else None),
-            solve_seconds=time.monotonic() - self.started,
-        )
-
-
-class _FoldedSearch:
-    """A tied search on the graph with its repeated layers folded into one.
-
-    The folded graph has the same optimum and bound (``optiremat.solver.repeats``); its
-    answer is unfolded onto the full graph and priced there (``_unfold``).
-    """
-
-    def __init__(self, graph: CostGraph, folded: Compressed, inner: _Search) -> None:
-        self.graph = graph
-        self.folded = folded
-        self.baseline = baseline_backward_flops(graph)
-        self.inner = inner
-
-    def restart_clock(self, started: float) -> None:
-        self.inner.restart_clock(started)
-
-    def solve(self, budget: int, start: Sequence[bool] | None = None) -> Solution:
-        inner_start = None if start is None else self.folded.restrict(list(start))
-        answer = self.inner.solve(budget, inner_start)
-        return _unfold(self.graph, self.folded, answer, budget, self.baseline)
-
-    def min_budget(self) -> int:
-        return self.inner.min_budget()

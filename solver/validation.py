@@ -8,9 +8,11 @@ if TYPE_CHECKING:
     from optiremat.solver.graph import CostGraph
 
 
-def _fail(msg: str) -> None:
-    from optiremat.solver.graph import GraphError
+class GraphError(ValueError):
+    """A cost graph that breaks the schema; the message names the node or value."""
 
+
+def _fail(msg: str) -> None:
     raise GraphError(msg)
 
 

@@ -71,8 +71,7 @@ def test_cut_bound_is_tight_on_a_transformer_and_proves_untied_plans() -> None:
 def test_without_time_for_a_search_the_answer_is_the_best_start_with_the_cut_bound(
     monkeypatch,
 ) -> None:
-    # `optiremat.solver.solve` is the function; the module is what is patched
-    search_module = importlib.import_module("optiremat.solver.solve")
+    search_module = importlib.import_module("optiremat.solver.search")
     g = transformer_like(6)
     budget = max_useful_budget(g) // 2
     searched = solve(g, budget, tie=False)

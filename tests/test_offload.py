@@ -26,6 +26,7 @@ from optiremat.client.measure import saved_residuals
 from optiremat.client.plan import PlanError
 from optiremat.client.planfile import PlanFile, load_plan
 from optiremat.solver import (
+    Backend,
     GraphBuilder,
     InfeasibleBudgetError,
     NodeMode,
@@ -33,11 +34,14 @@ from optiremat.solver import (
     SolveOptions,
     solve,
 )
+from optiremat.solver.backends import make_backend
+from optiremat.solver.formulation import build
 from optiremat.solver.frontier import solve_budgets
 from optiremat.solver.graph import CostGraph
-from optiremat.solver.offload import DEFAULT_HOST_BANDWIDTH, OffloadOptions
-from optiremat.solver.offload_solve import evaluate_offload
+from optiremat.solver.offload import DEFAULT_HOST_BANDWIDTH, OffloadOptions, evaluate_offload
 from optiremat.solver.semantics import baseline_backward_flops
+from optiremat.solver.solve import max_useful_budget, solve_from
+from optiremat.solver.synthetic import transformer_like
 from tests.models import CORPUS
 from tests.service_harness import Server, body, running_server
 
@@ -117,6 +121,35 @@ def test_prices_that_overflow_64_bits_are_rejected() -> None:
     odd = OffloadOptions(host_bandwidth=10**18 + 9, device_flop_rate=10**15 + 7)
     with pytest.raises(ValueError, match="64-bit"):
         solve(g, 1000, offload=odd)
+
+
+def _free_reshape() -> CostGraph:
+    """x -> reshape -> y, both read by the backward pass: y costs bytes saved, nothing rebuilt."""
+    b = GraphBuilder("free reshape")
+    x = b.input(100)
+    y = b.value(100)
+    b.node("reshape", [x], [y], key="r", flops=0)
+    b.backward_reads.extend([x, y])
+    return b.build()
+
+
+def test_the_offload_layer_sits_on_the_model_without_reductions() -> None:
+    """The zero-FLOP chain rule fixes the reshape to recompute, which moves its
+    residual onto x, a graph input that cannot be offloaded."""
+    g = _free_reshape()
+    assert build(g, tie=True) != build(g, tie=True, reduce=False)
+    layered = build(g, tie=True, offload=CHEAP)
+    assert layered == build(g, tie=True, reduce=False, offload=CHEAP)
+    assert layered.offload is not None and len(layered.offload.offload_vars) == 1
+
+
+def test_only_cp_sat_solves_the_offload_layer() -> None:
+    g = chain()
+    with pytest.raises(ValueError, match="SCIP does not solve the offload layer"):
+        make_backend(Backend.SCIP, build(g, tie=True, offload=CHEAP))
+    # A request for SCIP with offload is solved by CP-SAT, and says so.
+    sol = solve(g, 1000, offload=CHEAP, backend=Backend.SCIP)
+    assert sol.solver == "cpsat" and len(sol.offloaded_keys) == 3
 
 
 def test_options_without_offload_keep_their_json_and_hash() -> None:
@@ -296,12 +329,7 @@ def test_untied_offload_goes_through_the_names_form(name: str) -> None:
 
 def test_of_equally_cheap_plans_the_leanest_on_the_device_wins() -> None:
     """Saving a free reshape or rebuilding it cost the same: no device bytes are spent on it."""
-    b = GraphBuilder("free reshape")
-    x = b.input(100)
-    y = b.value(100)
-    b.node("reshape", [x], [y], key="r", flops=0)
-    b.backward_reads.extend([x, y])
-    sol = solve(b.build(), 1000, offload=CHEAP)
+    sol = solve(_free_reshape(), 1000, offload=CHEAP)
     assert sol.node_decisions == ["recompute"] and sol.residual_bytes == 100
 
 
@@ -310,6 +338,20 @@ def test_a_sweep_with_offload_offloads_at_small_budgets() -> None:
     results = solve_budgets(g, [1000, 2000, 4000], SolveOptions(offload=CHEAP))
     host = [results[b].offload.host_bytes for b in (1000, 2000, 4000)]
     assert host == [3000, 2000, 0]
+
+
+def test_each_budget_of_an_offload_sweep_is_a_request_of_its_own() -> None:
+    """An offload search takes no start, and no hint from the budget before: here the
+    infeasible budget's search for the smallest one would steer the next budget's."""
+    g = transformer_like(4)
+    options = SolveOptions(offload=OffloadOptions(host_bandwidth=10**12))
+    tight, budget = (max_useful_budget(g) // d for d in (12, 8))
+    swept = solve_budgets(g, [tight, budget], options)
+    single = solve(g, budget, options)
+    assert isinstance(swept[tight], InfeasibleBudgetError)
+    assert swept[budget].fingerprint() == single.fingerprint()
+    warm = solve_from(g, budget, single.options, [True] * g.num_nodes)
+    assert warm.fingerprint() == single.fingerprint() and warm.offloaded_keys
 
 
 # ---- the service ---------------------------------------------------------------

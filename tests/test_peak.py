@@ -15,11 +15,11 @@ import pytest
 from jax import lax
 
 import optiremat
-from optiremat.client.extract import StepExtraction, step_extraction
 from optiremat.client.measure import saved_residuals
 from optiremat.client.placement import Placement, PlacementError
 from optiremat.client.policy import KeyPolicy
 from optiremat.client.step import Step, StepError, measured_peak
+from optiremat.client.step_graph import StepExtraction, step_extraction
 from optiremat.solver.graph import CostGraph, GraphError
 from optiremat.solver.semantics import evaluate
 from optiremat.solver.solution import InfeasibleBudgetError

@@ -7,7 +7,7 @@ backward pass. The walk (``walker``) replays that split over the JVP'd jaxpr,
 with a rule per primitive role (``client.primitives``; the cond rule in
 ``cond``), and records, for every value, whether the backward pass reads it;
 ``known`` is the same analysis at the level of flags. A training step's graph
-(``graphs.step_extraction``) is walked as ``jax.vjp`` differentiates it, its
+(``client.step_graph``) is walked as ``jax.vjp`` differentiates it, its
 regions' checkpoints left to the solver.
 
 | module | what it holds |
@@ -17,17 +17,10 @@ regions' checkpoints left to the solver.
 | ``cond`` | the cond rule and its branch summaries |
 | ``known`` | which outputs partial evaluation finds known |
 | ``tracing`` | ``trace``: a function as ``jax.checkpoint`` traces it |
-| ``graphs`` | ``graph_of_traced``, ``step_extraction`` and the public ``extract_*`` |
+| ``graphs`` | ``graph_of_traced`` and the public ``extract_graph`` |
 """
 
-from optiremat.client.extract.graphs import (
-    Extraction,
-    StepExtraction,
-    extract_graph,
-    extract_step,
-    graph_of_traced,
-    step_extraction,
-)
+from optiremat.client.extract.graphs import Extraction, extract_graph, graph_of_traced
 from optiremat.client.extract.state import NAME_PREFIX, ExtractionError
 from optiremat.client.extract.tracing import Traced, trace
 
@@ -35,11 +28,8 @@ __all__ = [
     "NAME_PREFIX",
     "ExtractionError",
     "Extraction",
-    "StepExtraction",
     "Traced",
     "extract_graph",
-    "extract_step",
     "graph_of_traced",
-    "step_extraction",
     "trace",
 ]

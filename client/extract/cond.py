@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 import jax
 import numpy as np
 
-from optiremat.client import _jax_internals as jx
+import optiremat.client._jax_internals as jx
 from optiremat.client.cost_model import aval_bytes
 from optiremat.client.extract.state import (
     Context,

@@ -7,9 +7,9 @@ from dataclasses import dataclass, field
 
 import jax
 
-from optiremat.client import _jax_internals as jx
+import optiremat.client._jax_internals as jx
+import optiremat.client.extract.cond  # noqa: F401  (registers the cond rule)
 from optiremat.client.cost_model import aval_bytes
-from optiremat.client.extract import cond as _cond  # noqa: F401  (registers the cond rule)
 from optiremat.client.extract.state import (
     Context,
     Ref,
@@ -19,10 +19,8 @@ from optiremat.client.extract.state import (
 )
 from optiremat.client.extract.tracing import Traced, trace
 from optiremat.client.extract.walker import Walker
-from optiremat.client.placement import Region, RegionMarker, find_regions, place
-from optiremat.client.step import Step
 from optiremat.solver.graph import CostGraph, GraphBuilder, NodeMode
-from optiremat.solver.step import RegionMemory, StepMemory
+from optiremat.solver.step import StepMemory
 
 
 def differentiated_inputs(traced: Traced, arguments: Sequence[bool] | None) -> list[bool]:
@@ -89,48 +87,6 @@ def graph_of_traced(traced: Traced, *, names: bool = False, name: str = "", step
     return Extraction(b.build(), dict(walker.names_by_key), aliases)
 
 
-@dataclass(frozen=True)
-class StepExtraction:
-    """The graph of a training step whose regions the plan decides."""
-
-    extraction: Extraction  # its graph carries the step's memory (CostGraph.step)
-    regions: tuple[Region, ...]
-    differentiated: tuple[bool, ...]  # per flattened argument: whether the step differentiates it
-
-    @property
-    def graph(self) -> CostGraph:
-        return self.extraction.graph
-
-
-def step_extraction(fun: Callable, args: Sequence, step: Step, *,
-                    name: str = "") -> StepExtraction:
-    """The cost graph of ``step`` (``jax.jit(jax.grad(fun, argnums))``) with a remat
-    region in every differentiated ``lax.scan`` (``client.placement``), and what
-    the step holds and each region's working set (one compile per distinct layer)."""
-    from optiremat.client.calibration import working_bytes
-
-    step.check(args)
-    traced = trace(fun, args, {})
-    flags = step.differentiated(args)
-    closed = jx.ClosedJaxpr(traced.open_jaxpr, traced.consts)
-    regions = tuple(find_regions(closed, flags))
-    markers = [RegionMarker(r.index) for r in regions]
-
-    def marked(*leaves):
-        return place(closed, leaves, regions, markers, flags)
-
-    arguments, outputs, aliases = step.held_memory(args)
-    memory = StepMemory(argument_bytes=arguments, output_bytes=outputs, alias_bytes=aliases,
-                        regions=[RegionMemory(source=r.source, length=r.length,
-                                              working_bytes=working_bytes(r),
-                                              carry_bytes=r.carry_bytes,
-                                              slice_bytes=r.xs_bytes + r.xs_gradient_bytes,
-                                              nestable=not r.reverse) for r in regions])
-    extraction = graph_of_traced(trace(marked, traced.flat_args, {}), name=name, step=True,
-                                 differentiated=flags, step_memory=memory)
-    return StepExtraction(extraction, regions, tuple(flags))
-
-
 def merge_tie_groups(groups: Sequence[set[str]]) -> dict[str, frozenset[str]]:
     """Union of overlapping groups; each named by its smallest key."""
     merged: list[set[str]] = []
@@ -141,16 +97,6 @@ def merge_tie_groups(groups: Sequence[set[str]]) -> dict[str, frozenset[str]]:
             merged.remove(other)
         merged.append(group)
     return {min(g): frozenset(g) for g in merged}
-
-
-def extract_step(fun: Callable, *args, argnums: int | Sequence[int] = 0,
-                 donate_argnums: int | Sequence[int] = ()) -> CostGraph:
-    """The cost graph of the training step ``jax.jit(jax.grad(fun, argnums))`` at
-    ``args``: a remat region in every differentiated ``lax.scan``, and what the step
-    holds (one compile per distinct layer measures its working set). Solving it
-    plans peak budgets; ``optiremat.optimize`` is this and a solve."""
-    name = getattr(fun, "__qualname__", getattr(fun, "__name__", ""))
-    return step_extraction(fun, args, Step.of(argnums, donate_argnums), name=name).graph
 
 
 def extract_graph(fun: Callable, *args, **kwargs) -> CostGraph:

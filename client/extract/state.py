@@ -14,7 +14,7 @@ import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 
-from optiremat.client import _jax_internals as jx
+import optiremat.client._jax_internals as jx
 from optiremat.solver.graph import NodeMode
 
 NAME_PREFIX = "optiremat/"

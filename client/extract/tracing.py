@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 import jax
 
-from optiremat.client import _jax_internals as jx
+import optiremat.client._jax_internals as jx
 
 
 @dataclass(frozen=True)

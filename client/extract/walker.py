@@ -14,7 +14,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 
-from optiremat.client import _jax_internals as jx
+import optiremat.client._jax_internals as jx
 from optiremat.client.cost_model import aval_bytes, eqn_flops
 from optiremat.client.extract.known import scan_carry_known
 from optiremat.client.extract.state import (

@@ -1,11 +1,12 @@
 """SCIP through pywraplp: single thread, fixed seeds, explicit tolerances.
 
 SCIP computes in floating point, so its answers are candidates only:
-``solver.solve`` re-evaluates the decisions exactly and never trusts its sums.
+``solver.search`` re-evaluates the decisions exactly and never trusts its sums.
 The auxiliary variables could be continuous (the formulation allows it), but
 as binaries they let SCIP see that both objectives are integral and propagate
 the clauses as clauses: on a 3-layer graph that is 0.15 s against a 60 s
-time-out.
+time-out. The offload layer is refused: its cost is exact 64-bit integers,
+which SCIP's floating point cannot hold.
 """
 
 from __future__ import annotations
@@ -16,12 +17,12 @@ import time
 
 from ortools.linear_solver import pywraplp
 
-from optiremat.solver.backends import (
+from optiremat.solver.backends.interface import (
     Goal,
     IncumbentCallback,
     Objective,
-    Outcome,
     RawResult,
+    SearchOutcome,
     stop_when_set,
 )
 from optiremat.solver.formulation import Formulation
@@ -49,6 +50,9 @@ class ScipBackend:
     min_work = 1000.0  # branch-and-bound nodes
 
     def __init__(self, formulation: Formulation) -> None:
+        if formulation.offload is not None:
+            raise ValueError("SCIP does not solve the offload layer (its cost is exact 64-bit "
+                             "integers, beyond SCIP's floating point): solve offload with CP-SAT")
         solver = pywraplp.Solver.CreateSolver("SCIP")
         if solver is None:
             raise RuntimeError("this OR-Tools build has no SCIP")
@@ -62,8 +66,8 @@ class ScipBackend:
             for v, positive in clause:
                 row.SetCoefficient(x[v], 1.0 if positive else -1.0)
         self._sums = {
-            Objective.FLOPS: formulation.recompute_flops,
-            Objective.BYTES: formulation.residual_bytes,
+            Objective.COST: formulation.cost,
+            Objective.BYTES: formulation.budgeted_bytes,
         }
         self._caps = {}
         for which, s in self._sums.items():
@@ -91,7 +95,7 @@ class ScipBackend:
         called = time.monotonic()
         solver, x = self._solver, self._x
         inf = solver.infinity()
-        for which, cap in ((Objective.BYTES, goal.bytes_cap), (Objective.FLOPS, goal.flops_cap)):
+        for which, cap in ((Objective.BYTES, goal.bytes_cap), (Objective.COST, goal.cost_cap)):
             self._caps[which].SetBounds(-inf, inf if cap is None else cap + 0.5)
         objective = solver.Objective()
         objective.Clear()
@@ -116,12 +120,13 @@ class ScipBackend:
 
         work = float(solver.nodes())
         if status == pywraplp.Solver.INFEASIBLE:
-            return RawResult(Outcome.INFEASIBLE, None, 0.0, work)
+            return RawResult(SearchOutcome.INFEASIBLE, None, 0.0, work)
         bound = objective.BestBound()
         bound = bound if math.isfinite(bound) else 0.0
         if status not in (pywraplp.Solver.OPTIMAL, pywraplp.Solver.FEASIBLE):
-            return RawResult(Outcome.NO_SOLUTION, None, bound, work)
+            return RawResult(SearchOutcome.NO_SOLUTION, None, bound, work)
         self._last = [var.solution_value() for var in x]
         decisions = tuple(value > 0.5 for value in self._last[: self._f.num_decisions])
-        outcome = Outcome.OPTIMAL if status == pywraplp.Solver.OPTIMAL else Outcome.FEASIBLE
+        optimal = status == pywraplp.Solver.OPTIMAL
+        outcome = SearchOutcome.OPTIMAL if optimal else SearchOutcome.FEASIBLE
         return RawResult(outcome, decisions, bound, work)

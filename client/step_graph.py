@@ -1,0 +1,71 @@
+"""The training step's cost graph: its regions placed, its memory measured.
+
+A step's graph is a traced function's graph (``client.extract``) walked as
+``jax.vjp`` differentiates it, with a remat region in every differentiated
+``lax.scan`` (``client.placement``) and what the step holds, each region's
+working set included (``client.calibration``), travelling with it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import optiremat.client._jax_internals as jx
+from optiremat.client.calibration import working_bytes
+from optiremat.client.extract.graphs import Extraction, graph_of_traced
+from optiremat.client.extract.tracing import trace
+from optiremat.client.placement import Region, RegionMarker, find_regions, place
+from optiremat.client.step import Step
+from optiremat.solver.graph import CostGraph
+from optiremat.solver.step import RegionMemory, StepMemory
+
+
+@dataclass(frozen=True)
+class StepExtraction:
+    """The graph of a training step whose regions the plan decides."""
+
+    extraction: Extraction  # its graph carries the step's memory (CostGraph.step)
+    regions: tuple[Region, ...]
+    differentiated: tuple[bool, ...]  # per flattened argument: whether the step differentiates it
+
+    @property
+    def graph(self) -> CostGraph:
+        return self.extraction.graph
+
+
+def step_extraction(fun: Callable, args: Sequence, step: Step, *,
+                    name: str = "") -> StepExtraction:
+    """The cost graph of ``step`` (``jax.jit(jax.grad(fun, argnums))``) with a remat
+    region in every differentiated ``lax.scan`` (``client.placement``), and what
+    the step holds and each region's working set (one compile per distinct layer)."""
+    step.check(args)
+    traced = trace(fun, args, {})
+    flags = step.differentiated(args)
+    closed = jx.ClosedJaxpr(traced.open_jaxpr, traced.consts)
+    regions = tuple(find_regions(closed, flags))
+    markers = [RegionMarker(r.index) for r in regions]
+
+    def marked(*leaves):
+        return place(closed, leaves, regions, markers, flags)
+
+    arguments, outputs, aliases = step.held_memory(args)
+    memory = StepMemory(argument_bytes=arguments, output_bytes=outputs, alias_bytes=aliases,
+                        regions=[RegionMemory(source=r.source, length=r.length,
+                                              working_bytes=working_bytes(r),
+                                              carry_bytes=r.carry_bytes,
+                                              slice_bytes=r.xs_bytes + r.xs_gradient_bytes,
+                                              nestable=not r.reverse) for r in regions])
+    extraction = graph_of_traced(trace(marked, traced.flat_args, {}), name=name, step=True,
+                                 differentiated=flags, step_memory=memory)
+    return StepExtraction(extraction, regions, tuple(flags))
+
+
+def extract_step(fun: Callable, *args, argnums: int | Sequence[int] = 0,
+                 donate_argnums: int | Sequence[int] = ()) -> CostGraph:
+    """The cost graph of the training step ``jax.jit(jax.grad(fun, argnums))`` at
+    ``args``: a remat region in every differentiated ``lax.scan``, and what the step
+    holds (one compile per distinct layer measures its working set). Solving it
+    plans peak budgets; ``optiremat.optimize`` is this and a solve."""
+    name = getattr(fun, "__qualname__", getattr(fun, "__name__", ""))
+    return step_extraction(fun, args, Step.of(argnums, donate_argnums), name=name).graph
