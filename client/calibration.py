@@ -28,38 +28,80 @@ import jax.numpy as jnp
 from jax import lax
 
 import optiremat.client._jax_internals as jx
+from optiremat.client.cost_model import aval_bytes
+from optiremat.client.extract.state import HALF_FLOATS, widens_stacked_halves
 from optiremat.client.placement import Region
+from optiremat.client.policy import KeyPolicy
 from optiremat.solver.semantics import evaluate
 
-_measured: dict[tuple, int] = {}
+_measured: dict[tuple, tuple[int, int]] = {}
+
+# The step's few small buffers outside every layer (the loss, loop counters and
+# XLA's loop-state tuples), which no residual or working set prices: 32 to 72
+# bytes on the scan corpus, so a little more is allowed.
+SCALARS_BYTES = 128
 
 
-def working_bytes(region: Region) -> int:
-    """One iteration's backward working set of ``region``, in bytes, on the default backend."""
+def working_bytes(region: Region, saved_keys: frozenset[str] | None = None) -> int:
+    """One iteration's backward working set of ``region``, in bytes, on the default
+    backend, as XLA holds it: under ``nothing_saveable``, or with the policy keys
+    ``saved_keys`` saved. On CPU it includes XLA's f32 copies of the region's stacked
+    half-float residuals."""
+    return _working_set(region, saved_keys)[0]
+
+
+def assumed_working_bytes(region: Region) -> int:
+    """The working set a step's graph assumes for ``region``: ``nothing_saveable``'s,
+    less the f32 copies of stacked half floats that the graph prices itself
+    (``value_extra_bytes``), so that the two add up to what XLA holds."""
+    measured, priced = _working_set(region, None)
+    return max(measured - priced, 0)
+
+
+def _working_set(region: Region, saved_keys: frozenset[str] | None) -> tuple[int, int]:
     key = (str(region.body), region.num_consts, region.num_carry, region.differentiated,
-           jax.default_backend())
+           jax.default_backend(), saved_keys)
     if key not in _measured:
-        _measured[key] = _measure(region)
+        _measured[key] = _measure(region, saved_keys)
     return _measured[key]
 
 
-def _measure(region: Region) -> int:
+def _measure(region: Region, saved_keys: frozenset[str] | None) -> tuple[int, int]:
+    """The working set XLA holds, and the widened copies within it the graph prices."""
     from optiremat.client.extract import graph_of_traced, trace
     from optiremat.client.step import memory_analysis
+    from optiremat.solver.step import StepMemory
 
-    program, args, flags = _calibration_program(region)
+    program, args, flags = _calibration_program(region, saved_keys)
     compiled = jax.jit(jax.grad(program)).lower(*args).compile()
     temp = memory_analysis(compiled).temp_size_in_bytes
-    graph = graph_of_traced(trace(program, args, {}), step=True, differentiated=flags).graph
+    # Extracted as a step's graph is (``step_memory`` given), so that it prices the same
+    # widened copies of stacked half floats.
+    graph = graph_of_traced(trace(program, args, {}), step=True, differentiated=flags,
+                            step_memory=StepMemory(argument_bytes=0, output_bytes=0)).graph
     evaluation = evaluate(graph, [False] * graph.num_nodes)  # every mode is fixed here
     arguments = {graph.value_index[v] for v in graph.inputs}
-    stacked = sum(graph.value_bytes[v] for v in evaluation.residuals if v not in arguments)
-    return max(temp - stacked, 0)
+    stacked = [v for v in evaluation.residuals if v not in arguments]
+    extra = graph.value_extra_bytes or [0] * graph.num_values
+    # Less one layer's input: the scan stacks every layer's input, the first one's
+    # too, which is an argument here (priced at nothing) and in the step a value its
+    # graph prices where it is made. Measured: without this the prediction ran one
+    # carry high on every model of the scan corpus (two on CPU for bf16: its f32 copy).
+    first_input = sum(aval_bytes(a) * (2 if _widened(a) else 1) for a in
+                      region.body.in_avals[region.num_consts:region.num_consts + region.num_carry])
+    held = temp - sum(graph.value_bytes[v] for v in stacked) - first_input + SCALARS_BYTES
+    return max(held, 0), sum(extra[v] for v in stacked)
 
 
-def _calibration_program(region: Region):
-    """The region's scan with its body under ``nothing_saveable``; a scalar of all its
-    outputs. Differentiated operands come first, as one argument, as in the step."""
+def _widened(aval) -> bool:
+    """Whether XLA keeps an f32 copy of this value where a scan stacks it (CPU, half floats)."""
+    return widens_stacked_halves() and str(aval.dtype) in HALF_FLOATS
+
+
+def _calibration_program(region: Region, saved_keys: frozenset[str] | None):
+    """The region's scan with its body under ``nothing_saveable`` (or saving
+    ``saved_keys``); a scalar of all its outputs. Differentiated operands come first,
+    as one argument, as in the step."""
     body, nc, nk = region.body, region.num_consts, region.num_carry
     length = region.length
     avals = list(body.in_avals)
@@ -71,8 +113,9 @@ def _calibration_program(region: Region):
     def layer(*inputs):
         return jx.eval_jaxpr(body.jaxpr, body.consts, *inputs)
 
-    checkpointed = jax.checkpoint(layer, policy=jax.checkpoint_policies.nothing_saveable,
-                                  prevent_cse=False)
+    policy = (jax.checkpoint_policies.nothing_saveable if saved_keys is None
+              else KeyPolicy(saved_keys))
+    checkpointed = jax.checkpoint(layer, policy=policy, prevent_cse=False)
 
     def program(differentiated: Sequence, others: Sequence):
         operands: list = [None] * len(structs)

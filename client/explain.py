@@ -86,9 +86,14 @@ def peak_breakdown(graph: CostGraph, solution: Solution, evaluation: Evaluation)
     if per_region[-1] or not step.regions:
         lines.append(row("residuals, elsewhere", per_region[-1], "outside every region"))
     if step.regions:
-        widest = max(range(len(step.regions)), key=lambda k: step.regions[k].working_bytes)
-        lines.append(row("working set", step.working_bytes,
-                         f"one layer's backward pass, region {widest} (measured)"))
+        if solution.working_bytes is not None:
+            lines.append(row("working set", solution.working_bytes,
+                             "one layer's backward pass under the plan's policy (measured)"))
+        else:
+            widest = max(range(len(step.regions)), key=lambda k: step.regions[k].working_bytes)
+            lines.append(row("working set", step.working_bytes,
+                             f"one layer's backward pass, region {widest} (measured under "
+                             "nothing_saveable)"))
     else:
         lines.append("  no lax.scan to place remat in: the plan cannot move the peak. "
                      "Put repeated layers under lax.scan (nnx.scan, eqx scan-over-layers).")

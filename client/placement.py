@@ -32,6 +32,7 @@ from typing import TYPE_CHECKING, Any
 import jax
 import jax.numpy as jnp
 from jax import lax
+from jax.ad_checkpoint import checkpoint_name
 
 import optiremat.client._jax_internals as jx
 from optiremat.client.cost_model import aval_bytes
@@ -40,6 +41,12 @@ from optiremat.client.primitives import Role, info
 
 if TYPE_CHECKING:
     from optiremat.client.step import Step
+
+# The name a layer's input takes inside its checkpoint when a plan may offload it:
+# JAX offers a checkpoint's inputs to no policy, so the stacked layer inputs a scan
+# keeps for its backward pass could never leave the device (jax#23869); named, the
+# layers read the named value, and offloading it leaves the input itself unread.
+LAYER_INPUT = "optiremat/layer_input"
 
 # Control flow whose body JAX may run a data-dependent number of times: a scan
 # inside one cannot be given a static place (nor a predictable peak).
@@ -175,6 +182,7 @@ class _Placer:
     policies: Sequence[Policy]
     regions: Sequence[Region]
     groups: Sequence[int]  # per region: 1 checkpoints each layer; k > 1 also k groups of them
+    name_inputs: bool = False  # offer each layer's input to the policy (``LAYER_INPUT``)
     next_region: int = 0
 
     def eval(self, jaxpr: jx.Jaxpr, consts: Sequence, args: Sequence,
@@ -231,6 +239,11 @@ class _Placer:
         init, xs = list(invals[n_consts:n_consts + n_carry]), list(invals[n_consts + n_carry:])
 
         def layer(*inputs):
+            if self.name_inputs:
+                inputs = (*inputs[:n_consts],
+                          *(checkpoint_name(c, LAYER_INPUT) for c in
+                            inputs[n_consts:n_consts + n_carry]),
+                          *inputs[n_consts + n_carry:])
             return _inline_checkpoints(body.jaxpr, body.consts, inputs)
 
         checkpointed = jax.checkpoint(layer, policy=self.policies[k], prevent_cse=False)
@@ -309,17 +322,19 @@ def _inline_checkpoints(jaxpr: jx.Jaxpr, consts: Sequence, args: Sequence) -> li
 
 def place(closed: jx.ClosedJaxpr, args: Sequence, regions: Sequence[Region],
           policies: Sequence[Policy], differentiated: Sequence[bool],
-          groups: Sequence[int] | None = None) -> list:
+          groups: Sequence[int] | None = None, name_inputs: bool = False) -> list:
     """Evaluate ``closed`` at ``args`` with each region checkpointed by its policy (and,
     where ``groups`` says k > 1, in k rematerialised groups of layers); ``differentiated``
-    flags the inputs that get tangents, as ``find_regions`` took them."""
+    flags the inputs that get tangents, as ``find_regions`` took them. With
+    ``name_inputs``, each layer's input is named ``LAYER_INPUT`` inside its checkpoint,
+    so that the policy is offered it (to offload it)."""
     groups = [1] * len(regions) if groups is None else list(groups)
     if not len(policies) == len(groups) == len(regions):
         raise ValueError(f"{len(regions)} regions but {len(policies)} policies and "
                          f"{len(groups)} group counts")
     for region, k in zip(regions, groups, strict=True):
         check_groups(region, k)
-    placer = _Placer(policies, regions, groups)
+    placer = _Placer(policies, regions, groups, name_inputs)
     outs = placer.eval(closed.jaxpr, closed.consts, args, differentiated)
     if placer.next_region != len(regions):
         raise PlacementError(
@@ -335,6 +350,7 @@ class Placement:
     regions: tuple[Region, ...]
     differentiated: tuple[bool, ...]  # per flattened argument, as the step differentiates
     step: Step
+    name_inputs: bool = False  # layer inputs offered to the policy (offload plans)
 
     def apply(self, fun: Callable, policy: Policy,
               groups: Sequence[int] | None = None) -> Callable:
@@ -350,7 +366,7 @@ class Placement:
                     f"function got {len(traced.flat_args)}")
             closed = jx.ClosedJaxpr(traced.open_jaxpr, traced.consts)
             out = place(closed, traced.flat_args, self.regions, [policy] * len(self.regions),
-                        self.differentiated, groups)
+                        self.differentiated, groups, self.name_inputs)
             return jax.tree_util.tree_unflatten(traced.out_tree, out)
 
         return placed

@@ -27,6 +27,7 @@ from optiremat.client.measure import Residual, backward_flops, saved_residuals
 from optiremat.client.names import tag_every_value
 from optiremat.client.placement import Placement
 from optiremat.client.policy import KeyPolicy
+from optiremat.client.refine import refined_solve
 from optiremat.client.step import Step, measured_peak
 from optiremat.client.step_graph import step_extraction
 from optiremat.solver.graph import CostGraph
@@ -369,7 +370,8 @@ class Plan:
 
 def optimize(fun: Callable, *args, budget: int | str, memory: Literal["peak", "residuals"] = "peak",
              tie: bool = True, argnums: int | Sequence[int] = 0,
-             donate_argnums: int | Sequence[int] = (), **options) -> Plan:
+             donate_argnums: int | Sequence[int] = (), refine: bool = True,
+             **options) -> Plan:
     """Solve for the checkpointing plan of ``fun`` at ``args`` under ``budget``.
 
     ``budget`` is bytes, an int or a string like ``"12MiB"``, or ``"auto"``: the
@@ -378,10 +380,15 @@ def optimize(fun: Callable, *args, budget: int | str, memory: Literal["peak", "r
     With ``memory="peak"`` (the default) it is the peak of the training step
     ``jax.jit(jax.grad(fun, argnums), donate_argnums=...)``; with
     ``memory="residuals"``, the residual bytes of ``jax.checkpoint(fun)``.
+    A peak plan is ``refine``d against its own backward working set: one compile
+    of one layer under its policy measures it, and the budget is solved again
+    when it differs from the calibrated one (``client.refine``); ``refine=False``
+    keeps the first answer and the calibrated working set.
     Other ``options`` are ``solver.SolveOptions`` fields (``time_limit_s``,
     ``relative_gap``, ``backend``; ``offload=OffloadOptions(...)`` lets a
-    residual plan keep residuals in host memory). Keyword arguments of ``fun``
-    itself are not taken here: bind them with ``functools.partial``.
+    plan keep residuals in host memory, a peak plan its layer inputs too).
+    Keyword arguments of ``fun`` itself are not taken here: bind them with
+    ``functools.partial``.
 
     Example::
 
@@ -396,7 +403,19 @@ def optimize(fun: Callable, *args, budget: int | str, memory: Literal["peak", "r
         >>> grads = jax.jit(jax.grad(plan.apply(loss)))(ws, x)
     """
     return plan_for(fun, args, budget, tie, dict(options, memory=memory, argnums=argnums,
-                                                  donate_argnums=donate_argnums), solve)
+                                                  donate_argnums=donate_argnums, refine=refine),
+                    solve)
+
+
+def check_host_memory(device: Any = None) -> None:
+    """Refuse an offload request, before any solve, where the device (the default
+    backend's first) has no host memory to copy residuals to."""
+    device = jax.devices()[0] if device is None else device
+    kinds = sorted(m.kind for m in device.addressable_memories())
+    if OFFLOAD_DST not in kinds:
+        raise PlanError(f"offload needs '{OFFLOAD_DST}' memory to copy residuals to; the "
+                        f"{device.platform} device {device.id} has {kinds}: plan without "
+                        "offload")
 
 
 def plan_for(fun: Callable, args: tuple, budget: int | str, tie: bool, options: dict[str, Any],
@@ -404,20 +423,31 @@ def plan_for(fun: Callable, args: tuple, budget: int | str, tie: bool, options: 
     """``optimize`` with the solve step given: ``RematClient`` passes the server's."""
     options, auto = split_auto_keywords(options)
     memory = Memory(options.pop("memory", Memory.PEAK))
+    refine = options.pop("refine", True)
     step = Step.of(options.pop("argnums", 0), options.pop("donate_argnums", ()))
+    offload = options.get("offload") is not None
+    if offload:
+        check_host_memory()
     traced = trace(fun, args, {})
     name = getattr(fun, "__qualname__", "")
     if memory == Memory.PEAK:
         if not tie:
             raise PlanError("peak plans are tied by policy key for now: pass tie=True, or plan "
                             "residuals with memory='residuals', tie=False")
-        if options.get("offload") is not None:
-            raise PlanError("offload is planned against residual budgets for now: pass "
-                            "memory='residuals'")
-        extracted = step_extraction(fun, args, step, name=name)
+        # An offload plan may offload each layer's input too: it is named for the policy.
+        extracted = step_extraction(fun, args, step, name=name, name_inputs=offload)
         budget_bytes = resolve_budget(budget, traced, None, auto, step, Memory.PEAK)
-        solution = solve_fn(extracted.graph, budget_bytes, tie=True, **options)
-        placement = Placement(extracted.regions, extracted.differentiated, step)
+        graph = extracted.graph
+
+        def solve_at(budget: int) -> Solution:
+            return solve_fn(graph, budget, tie=True, **options)
+
+        # Offload plans are not refined: on CPU, XLA's memory analysis counts host
+        # buffers as device ones, so their working set cannot be measured here.
+        solution = (refined_solve(graph, extracted.regions, budget_bytes, solve_at)
+                    if refine and not offload else solve_at(budget_bytes))
+        placement = Placement(extracted.regions, extracted.differentiated, step,
+                              name_inputs=offload)
         return Plan(extracted.graph, solution, traced, dict(options),
                     key_aliases=extracted.extraction.key_aliases, solve_fn=solve_fn,
                     placement=placement)

@@ -12,7 +12,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import optiremat.client._jax_internals as jx
-from optiremat.client.calibration import working_bytes
+from optiremat.client.calibration import assumed_working_bytes
 from optiremat.client.extract.graphs import Extraction, graph_of_traced
 from optiremat.client.extract.tracing import trace
 from optiremat.client.placement import Region, RegionMarker, find_regions, place
@@ -34,11 +34,12 @@ class StepExtraction:
         return self.extraction.graph
 
 
-def step_extraction(fun: Callable, args: Sequence, step: Step, *,
-                    name: str = "") -> StepExtraction:
+def step_extraction(fun: Callable, args: Sequence, step: Step, *, name: str = "",
+                    name_inputs: bool = False) -> StepExtraction:
     """The cost graph of ``step`` (``jax.jit(jax.grad(fun, argnums))``) with a remat
     region in every differentiated ``lax.scan`` (``client.placement``), and what
-    the step holds and each region's working set (one compile per distinct layer)."""
+    the step holds and each region's working set (one compile per distinct layer).
+    With ``name_inputs`` each layer's input is offered to the plan too (to offload)."""
     step.check(args)
     traced = trace(fun, args, {})
     flags = step.differentiated(args)
@@ -47,12 +48,12 @@ def step_extraction(fun: Callable, args: Sequence, step: Step, *,
     markers = [RegionMarker(r.index) for r in regions]
 
     def marked(*leaves):
-        return place(closed, leaves, regions, markers, flags)
+        return place(closed, leaves, regions, markers, flags, name_inputs=name_inputs)
 
     arguments, outputs, aliases = step.held_memory(args)
     memory = StepMemory(argument_bytes=arguments, output_bytes=outputs, alias_bytes=aliases,
                         regions=[RegionMemory(source=r.source, length=r.length,
-                                              working_bytes=working_bytes(r),
+                                              working_bytes=assumed_working_bytes(r),
                                               carry_bytes=r.carry_bytes,
                                               slice_bytes=r.xs_bytes + r.xs_gradient_bytes,
                                               nestable=not r.reverse) for r in regions])

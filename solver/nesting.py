@@ -32,7 +32,7 @@ from collections.abc import Callable, Sequence
 
 from optiremat.solver.graph import CostGraph
 from optiremat.solver.semantics import evaluate
-from optiremat.solver.solution import InfeasibleBudgetError, Solution, SolveStatus
+from optiremat.solver.solution import InfeasibleBudgetError, Solution, SolveOptions, SolveStatus
 from optiremat.solver.step import Memory
 
 Groups = tuple[int, ...]
@@ -54,9 +54,11 @@ def candidate_groups(graph: CostGraph) -> list[Groups]:
     return candidates
 
 
-def nests(graph: CostGraph, memory: Memory) -> bool:
-    """Whether a solve of ``graph`` has group counts to choose from."""
-    return memory == Memory.PEAK and graph.step is not None and len(candidate_groups(graph)) > 1
+def nests(graph: CostGraph, memory: Memory, options: SolveOptions) -> bool:
+    """Whether a solve of ``graph`` has group counts to choose from: a peak budget, with
+    ``options.nest`` on and no offload (an offload plan checkpoints each layer)."""
+    return (options.nest and options.offload is None and memory == Memory.PEAK
+            and graph.step is not None and len(candidate_groups(graph)) > 1)
 
 
 def forward_flops(graph: CostGraph, groups: Sequence[int]) -> int:

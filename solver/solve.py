@@ -53,8 +53,7 @@ def solve(
     if isinstance(budget_bytes, bool) or not isinstance(budget_bytes, int) or budget_bytes < 0:
         raise ValueError(f"budget_bytes must be a non-negative integer, got {budget_bytes!r}")
     options = canonical_options(graph, options)
-    if groups is None and options.nest and nests(graph, resolve_memory(graph,
-                                                                               options.memory)):
+    if groups is None and nests(graph, resolve_memory(graph, options.memory), options):
         return choose_groups(graph, budget_bytes, lambda g: solve(
             graph, budget_bytes, options, progress=progress, cancel=cancel, groups=g))
     view = BudgetView.of(graph, options.memory, groups)
@@ -102,7 +101,7 @@ class BudgetSeries:
         self._cancel = cancel
         memory = resolve_memory(graph, self._options.memory)
         self._nested: dict[tuple[int, ...], BudgetSeries] | None = None
-        if groups is None and self._options.nest and nests(graph, memory):
+        if groups is None and nests(graph, memory, self._options):
             self._nested = {}  # one sweep per group count, built on first use
             return
         self._view = BudgetView.of(graph, self._options.memory, groups)
@@ -132,14 +131,14 @@ def min_feasible_budget(graph: CostGraph, tie: bool = True, memory: Memory | Non
                         nest: bool = True) -> int:
     """The smallest budget any plan fits (tied by policy key when ``tie``; peak plans
     nested in groups too, unless ``nest`` is off)."""
-    options = SolveOptions(tie=tie, backend=Backend.CPSAT)
+    options = SolveOptions(tie=tie, backend=Backend.CPSAT, nest=nest)
 
     def least(groups: Sequence[int] | None) -> int:
         view = BudgetView.of(graph, memory, groups)
         return view.budget(search_for(view.graph, options, time.monotonic(), None, None)
                            .min_budget())
 
-    if nest and nests(graph, resolve_memory(graph, memory)):
+    if nests(graph, resolve_memory(graph, memory), options):
         return min_budget_over_groups(graph, least)
     return least(None)
 

@@ -174,6 +174,20 @@ def cnn(layers: int = 6, channels: int = 64, batch: int = 8,
     return _stack(cnn_layer), (params, x)
 
 
+def residual_stack(layers: int = 16, d: int = 128, batch: int = 512) -> tuple[Callable, tuple]:
+    """A stack whose activations outweigh its parameters (offload's case)."""
+    def loss(ws: jax.Array, x: jax.Array) -> jax.Array:
+        def layer(h: jax.Array, w: jax.Array) -> tuple[jax.Array, None]:
+            return h + jnp.tanh(h @ w) @ w.T, None
+        h, _ = lax.scan(layer, x, ws)
+        return jnp.mean(h ** 2)
+
+    key = jax.random.PRNGKey(0)
+    ws = jax.random.normal(key, (layers, d, d)) * 0.05
+    x = jax.random.normal(jax.random.fold_in(key, 1), (batch, d))
+    return loss, (ws, x)
+
+
 @dataclass(frozen=True)
 class Model:
     name: str

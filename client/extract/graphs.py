@@ -16,6 +16,7 @@ from optiremat.client.extract.state import (
     decide_by_names,
     decide_by_names_fixed,
     decide_by_policy,
+    widens_stacked_halves,
 )
 from optiremat.client.extract.tracing import Traced, trace
 from optiremat.client.extract.walker import Walker
@@ -60,7 +61,7 @@ def graph_of_traced(traced: Traced, *, names: bool = False, name: str = "", step
     decide = decide_by_names if names else decide_by_policy
     walker = Walker(b, decide, decide_by_names_fixed if names else None,
                      widen_stacked_halves=step_memory is not None
-                     and jax.default_backend() == "cpu")
+                     and widens_stacked_halves())
     refs: list[Ref] = []
     for c in jvp_consts:
         aval = jax.typeof(c)

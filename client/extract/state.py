@@ -21,6 +21,14 @@ NAME_PREFIX = "optiremat/"
 HALF_FLOATS = frozenset({"bfloat16", "float16"})
 
 
+def widens_stacked_halves() -> bool:
+    """Whether XLA on the default backend keeps an f32 copy of a half-float value a scan
+    stacks for the backward pass (CPU, which computes half floats in f32)."""
+    import jax
+
+    return jax.default_backend() == "cpu"
+
+
 class ExtractionError(ValueError):
     """The function uses something whose remat behaviour optiremat cannot predict."""
 

@@ -1,0 +1,97 @@
+"""Offload in scan layouts: a peak plan keeps per-layer residuals, the stacked layer
+inputs included, in host memory; checked against the jaxpr JAX builds.
+
+XLA's CPU memory analysis counts host buffers as device ones, so the device
+peak an offloading plan reaches is predicted here, not measured; what JAX
+does with the plan (its copies to host and back) is checked exactly.
+"""
+
+from __future__ import annotations
+
+import jax
+import numpy as np
+import pytest
+from jax._src import core as jax_core
+
+import optiremat
+from optiremat.client.placement import LAYER_INPUT
+from optiremat.client.plan import PlanError, check_host_memory
+from optiremat.client.step import Step
+from optiremat.client.step_graph import step_extraction
+from optiremat.solver.offload import OffloadOptions, evaluate_offload
+from optiremat.solver.solution import InfeasibleBudgetError
+from optiremat.solver.solve import min_feasible_budget
+from tests.peak_models import residual_stack
+from tests.test_offload import _copies_to
+
+# Transfers priced at nothing: the plan offloads whatever lowers the device peak.
+CHEAP = OffloadOptions(host_bandwidth=10**15, device_flop_rate=1)
+
+
+def smallest_offload_plan(fun, args) -> optiremat.Plan:
+    try:
+        optiremat.optimize(fun, *args, budget=0, offload=CHEAP)
+    except InfeasibleBudgetError as err:
+        return optiremat.optimize(fun, *args, budget=err.min_budget_bytes, offload=CHEAP)
+    raise AssertionError("a budget of 0 was feasible")
+
+
+def test_the_layer_inputs_go_to_host_and_each_offloaded_residual_is_copied_once_each_way():
+    fun, args = residual_stack()
+    plan = smallest_offload_plan(fun, args)
+    graph = plan.graph
+    named = {k for k, n in zip(graph.node_key, graph.node_primitive, strict=True)
+             if n == "name"}
+    assert named and named <= plan.offloaded_keys  # the stacked layer inputs left the device
+
+    jaxpr = jax.make_jaxpr(jax.grad(plan.apply(fun)))(*args).jaxpr
+    decisions = plan.solution.node_decisions
+    offloaded = [d == "offload" for d in decisions]
+    priced = evaluate_offload(graph, [d != "recompute" for d in decisions], offloaded)
+    host_values = [v for v in priced.evaluation.residuals
+                   if (p := graph.producer[v]) is not None and offloaded[p]]
+    to_host = _copies_to(jaxpr, jax_core.MemorySpace.Host)
+    back = _copies_to(jaxpr, jax_core.MemorySpace.Device)
+    # The scan body is one jaxpr: one copy each way per offloaded value of a layer.
+    assert len(to_host) == len(back) == len(host_values) > 0
+    assert any(e is not None and e.params.get("name") == LAYER_INPUT for e in to_host)
+
+
+def test_offload_lowers_the_smallest_device_peak_and_keeps_the_gradients():
+    fun, args = residual_stack()
+    plan = smallest_offload_plan(fun, args)
+    without = min_feasible_budget(step_extraction(fun, args, Step.of(0)).graph)
+    assert plan.peak_bytes is not None and plan.peak_bytes < without
+    assert plan.host_bytes > 0 and set(plan.groups) == {1}  # an offload plan is per layer
+    assert "offloaded to host memory" in plan.explain()
+
+    want = jax.grad(fun)(*args)
+    got = jax.jit(jax.grad(plan.apply(fun)))(*args)
+    np.testing.assert_allclose(got, want, rtol=2e-5, atol=1e-6)
+
+
+def test_a_zero_host_budget_is_the_plan_without_offload():
+    fun, args = residual_stack(layers=4)
+    without = min_feasible_budget(step_extraction(fun, args, Step.of(0)).graph, nest=False)
+    plan = optiremat.optimize(fun, *args, budget=without,
+                              offload=OffloadOptions(host_budget_bytes=0))
+    assert plan.host_bytes == 0 and not plan.offloaded_keys
+    with pytest.raises(InfeasibleBudgetError) as info:
+        optiremat.optimize(fun, *args, budget=without - 1,
+                           offload=OffloadOptions(host_budget_bytes=0))
+    assert info.value.min_budget_bytes == without
+
+
+class _DeviceWithoutHostMemory:
+    """A device of a backend with no host memory space (none such runs here)."""
+
+    platform, id = "tpu", 0
+
+    def addressable_memories(self):
+        return [type("Memory", (), {"kind": "device"})()]
+
+
+def test_offload_where_there_is_no_host_memory_is_refused_before_any_solve():
+    check_host_memory(jax.devices()[0])  # CPU devices have pinned_host memory
+    with pytest.raises(PlanError, match="pinned_host.*\\['device'\\]"):
+        check_host_memory(_DeviceWithoutHostMemory())
