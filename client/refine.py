@@ -32,7 +32,7 @@ from optiremat.solver.baselines import policy_saves
 from optiremat.solver.graph import CostGraph, NodeMode
 from optiremat.solver.peak import BudgetView
 from optiremat.solver.semantics import evaluate, recompute_flops
-from optiremat.solver.solution import InfeasibleBudgetError, Solution, SolveStatus
+from optiremat.solver.solution import InfeasibleBudgetError, Solution, SolveOptions, SolveStatus
 from optiremat.solver.solve import solve
 
 # Solves following the working set's shift: it settles in one or two on the corpus.
@@ -68,13 +68,16 @@ class _Refinement:
         self.assumed = graph.step.working_bytes
         self.best: Solution | None = None
         self.tried: set[int] = set()
+        self.options: SolveOptions | None = None  # as the solver echoed the request
+        self.unplanned: Solution | None = None  # an answer without a plan (time limit, cancel)
 
     def run(self) -> Solution:
         # Infeasible here is the solver's answer to keep: its smallest plan is
         # nothing_saveable in every layer, whose working set is the one assumed.
         first = self._attempt(0)
         if first is None:
-            return self.solve_at(self.budget)  # stopped before a plan: nothing to measure
+            assert self.unplanned is not None
+            return self.unplanned  # stopped before a plan: nothing to measure
         # Each answer's peak was priced ``delta`` under what it holds: solve again there.
         self._chase(first[1], MAX_ROUNDS - 1, lambda answer, delta, shift: delta)
         self._builtins()
@@ -87,7 +90,9 @@ class _Refinement:
         self.tried.add(shift)
         answer = self.solve_at(self.budget - shift)
         if not answer.node_decisions or answer.peak_bytes is None:
+            self.unplanned = answer
             return None
+        self.options = answer.options
         measured = self._measured(answer)
         if self._fits(measured) and (self.best is None or _better(measured, self.best)):
             self.best = measured
@@ -158,6 +163,7 @@ class _Refinement:
         answer = solve(forced, budget, nest=False)
         return answer.model_copy(update={
             "graph_hash": self.graph.content_hash, "saved_keys": sorted(keys),
+            "options": self.options or answer.options,
             "status": SolveStatus.FEASIBLE,
             "lower_bound_flops": 0, "gap": 1.0 if answer.recompute_flops else 0.0})
 

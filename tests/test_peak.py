@@ -21,8 +21,9 @@ from optiremat.client.policy import KeyPolicy
 from optiremat.client.refine import refined_solve
 from optiremat.client.step import Step, StepError, measured_peak
 from optiremat.client.step_graph import StepExtraction, step_extraction
+from optiremat.solver.baselines import policy_saves
 from optiremat.solver.graph import CostGraph, GraphError
-from optiremat.solver.semantics import evaluate
+from optiremat.solver.semantics import evaluate, recompute_flops
 from optiremat.solver.solution import InfeasibleBudgetError
 from optiremat.solver.solve import max_useful_budget, min_feasible_budget, solve
 from tests.peak_models import CORPUS, Model, llama
@@ -110,6 +111,24 @@ def test_refining_corrects_the_working_set_the_calibration_assumed() -> None:
     assert abs(refined.peak_bytes - measured) <= 0.02 * measured
     assert refined.peak_bytes <= budget and measured <= budget
     assert refined.recompute_flops <= first.recompute_flops  # the room it found is used
+
+
+def test_at_a_builtins_measured_peak_the_plan_recomputes_no_more() -> None:
+    """dots_saveable per layer on the f32 Llama L8: the solver's own plans near its
+    measured peak hold more than it (their working sets are larger), so refining
+    falls back to the built-in itself rather than answer a costlier plan."""
+    _, fun, args, extracted = _corpus_model("llama_f32_L8")
+    g = extracted.graph
+    saves = policy_saves(g)["dots_saveable"]
+    keys = frozenset(k for k, s in zip(g.node_key, saves, strict=True) if s and k)
+    peak = measured_peak(STEP.function(_applied(fun, extracted, keys)).lower(*args).compile())
+    budget = int(peak * 1.001)  # refined predictions run over XLA's by up to 0.5%
+    plan = refined_solve(g, extracted.regions, budget, lambda b: solve(g, b))
+    assert plan.recompute_flops <= recompute_flops(g, saves)
+    measured = measured_peak(STEP.function(
+        _applied(fun, extracted, frozenset(plan.saved_keys), plan.groups)).lower(*args)
+        .compile())
+    assert measured <= plan.peak_bytes <= budget
 
 
 def test_apply_keeps_gradients_and_signature() -> None:
