@@ -12,6 +12,8 @@ import math
 import re
 
 from optiremat.solver.graph import CostGraph
+from optiremat.solver.nesting import forward_flops
+from optiremat.solver.peak import BudgetView
 from optiremat.solver.semantics import Evaluation, evaluate
 from optiremat.solver.solution import Solution
 from optiremat.solver.units import format_bytes
@@ -34,7 +36,7 @@ def explain_plan(graph: CostGraph, solution: Solution, top: int | None = 20) -> 
         lines.append(f"offloaded to host memory: {format_bytes(sol.host_bytes)}; estimated "
                      f"{sol.offload.estimated_seconds * 1e3:.3f} ms of recompute and transfers")
     if sol.peak_bytes is not None:
-        lines += ["", *peak_breakdown(graph, sol, evaluation)]
+        lines += ["", *peak_breakdown(graph, sol, evaluation), "", *lever_breakdown(graph, sol)]
     lines += ["", *_residual_table(graph, sol, evaluation, top)]
     return "\n".join(lines)
 
@@ -97,6 +99,35 @@ def peak_breakdown(graph: CostGraph, solution: Solution, evaluation: Evaluation)
     else:
         lines.append("  no lax.scan to place remat in: the plan cannot move the peak. "
                      "Put repeated layers under lax.scan (nnx.scan, eqx scan-over-layers).")
+    return lines
+
+
+def lever_breakdown(graph: CostGraph, solution: Solution) -> list[str]:
+    """What each lever bought: the bytes of the peak model (working set aside) that
+    the plan's policy, its nested groups and its offload each take off saving
+    everything in every layer, and what each costs."""
+    saves = [d != "recompute" for d in solution.node_decisions]
+    view = BudgetView.of(graph, None)
+    everything = view.predicted([True] * graph.num_nodes)
+    per_layer = view.predicted(saves)  # offloaded residuals still on the device here
+    groups = solution.groups or [1]
+    second_pass = forward_flops(graph, groups) if any(k != 1 for k in groups) else 0
+
+    def row(name: str, nbytes: int, note: str) -> str:
+        return f"  {name:<26}{format_bytes(nbytes):>12}  {note}"
+
+    lines = [f"what each lever bought, against saving everything in every layer "
+             f"({format_bytes(everything)}):",
+             row("recomputation", everything - per_layer,
+                 f"the policy; {solution.recompute_flops - second_pass:,} FLOPs recomputed")]
+    if second_pass:
+        nested = BudgetView.of(graph, None, groups).predicted(saves)
+        lines.append(row("nested groups", per_layer - nested,
+                         f"groups {list(groups)}; a second forward pass, {second_pass:,} FLOPs"))
+    if solution.offload is not None:
+        lines.append(row("offload", solution.host_bytes,
+                         f"to host memory; {format_bytes(solution.offload.transfer_bytes)} "
+                         "over the link"))
     return lines
 
 

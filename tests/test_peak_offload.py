@@ -21,6 +21,7 @@ from optiremat.client.step_graph import step_extraction
 from optiremat.solver.offload import OffloadOptions, evaluate_offload
 from optiremat.solver.solution import InfeasibleBudgetError
 from optiremat.solver.solve import min_feasible_budget
+from optiremat.solver.units import format_bytes
 from tests.peak_models import residual_stack
 from tests.test_offload import _copies_to
 
@@ -63,7 +64,10 @@ def test_offload_lowers_the_smallest_device_peak_and_keeps_the_gradients():
     without = min_feasible_budget(step_extraction(fun, args, Step.of(0)).graph)
     assert plan.peak_bytes is not None and plan.peak_bytes < without
     assert plan.host_bytes > 0 and set(plan.groups) == {1}  # an offload plan is per layer
-    assert "offloaded to host memory" in plan.explain()
+    text = plan.explain()
+    assert "offloaded to host memory" in text
+    lever = next(line for line in text.splitlines() if line.strip().startswith("offload "))
+    assert format_bytes(plan.host_bytes) in lever  # explain names what offload bought
 
     want = jax.grad(fun)(*args)
     got = jax.jit(jax.grad(plan.apply(fun)))(*args)
