@@ -87,8 +87,7 @@ def _measure(region: Region, saved_keys: frozenset[str] | None) -> tuple[int, in
     # too, which is an argument here (priced at nothing) and in the step a value its
     # graph prices where it is made. Measured: without this the prediction ran one
     # carry high on every model of the scan corpus (two on CPU for bf16: its f32 copy).
-    first_input = sum(aval_bytes(a) * (2 if _widened(a) else 1) for a in
-                      region.body.in_avals[region.num_consts:region.num_consts + region.num_carry])
+    first_input = sum(aval_bytes(a) * (2 if _widened(a) else 1) for a in region.carry_avals)
     held = temp - sum(graph.value_bytes[v] for v in stacked) - first_input + SCALARS_BYTES
     return max(held, 0), sum(extra[v] for v in stacked)
 

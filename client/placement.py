@@ -73,10 +73,14 @@ class Region:
     reverse: bool = False
 
     @property
+    def carry_avals(self) -> list:
+        """One layer's input: the types of the scan's carry."""
+        return list(self.body.in_avals[self.num_consts:self.num_consts + self.num_carry])
+
+    @property
     def carry_bytes(self) -> int:
         """One layer's input: the bytes of the scan's carry."""
-        avals = self.body.in_avals[self.num_consts:self.num_consts + self.num_carry]
-        return sum(aval_bytes(a) for a in avals)
+        return sum(aval_bytes(a) for a in self.carry_avals)
 
     @property
     def xs_bytes(self) -> int:

@@ -30,8 +30,8 @@ from optiremat.client.calibration import working_bytes
 from optiremat.client.placement import Region
 from optiremat.solver.baselines import policy_saves
 from optiremat.solver.graph import CostGraph, NodeMode
-from optiremat.solver.peak import BudgetView
-from optiremat.solver.semantics import evaluate, recompute_flops
+from optiremat.solver.peak import BudgetView, priced_extra_bytes
+from optiremat.solver.semantics import recompute_flops
 from optiremat.solver.solution import InfeasibleBudgetError, Solution, SolveOptions, SolveStatus
 from optiremat.solver.solve import solve
 
@@ -182,15 +182,7 @@ class _Refinement:
         assumed one, and, where the graph prices XLA's f32 copies of stacked half-float
         residuals (``value_extra_bytes``, fitted on CPU), the copies its working set
         measured instead."""
-        extra = self.graph.value_extra_bytes
-        priced_extra = 0
-        if extra is not None:
-            regions = self.graph.value_region or [-1] * self.graph.num_values
-            arguments = {self.graph.value_index[v] for v in self.graph.inputs}
-            counts = list(groups) if groups else [1] * len(self.regions)
-            priced_extra = sum(extra[v] // (counts[regions[v]] if regions[v] >= 0 else 1)
-                               for v in evaluate(self.graph, list(saves)).residuals
-                               if v not in arguments)
+        priced_extra = priced_extra_bytes(self.graph, saves, groups)
         return plan_working_bytes(self.regions, keys) - self.assumed - priced_extra
 
     def _fits(self, answer: Solution) -> bool:

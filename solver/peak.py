@@ -79,6 +79,34 @@ def resolve_memory(graph: CostGraph, memory: Memory | None) -> Memory:
     return Memory(memory)
 
 
+def value_weights(graph: CostGraph, groups: Sequence[int], extra: bool = True) -> list[int]:
+    """Per value, what a residual costs a peak budget: nothing for an argument (held
+    anyway), else its bytes (and, with ``extra``, its ``value_extra_bytes``), a
+    region's stacked values divided by the region's group count."""
+    arguments = {graph.value_index[v] for v in graph.inputs}
+    more = graph.value_extra_bytes if extra and graph.value_extra_bytes else [0] * graph.num_values
+    stacked_by = graph.value_region or [-1] * graph.num_values
+    weights = []
+    for v, (nbytes, added) in enumerate(zip(graph.value_bytes, more, strict=True)):
+        # In k groups, one group's layers are live at a time: 1/k of the stack
+        # (stacked bytes are the layers times one layer's, so this is exact).
+        r = stacked_by[v]
+        weights.append(0 if v in arguments else (nbytes + added) // (groups[r] if r >= 0 else 1))
+    return weights
+
+
+def priced_extra_bytes(graph: CostGraph, saves: Sequence[bool],
+                       groups: Sequence[int] | None = None) -> int:
+    """What a peak budget prices for the plan saving ``saves`` beyond its residuals'
+    sizes: the ``value_extra_bytes`` (XLA's copies) of those it weighs."""
+    if graph.value_extra_bytes is None:
+        return 0
+    assert graph.step is not None
+    groups = [1] * len(graph.step.regions) if groups is None else list(groups)
+    with_extra, without = value_weights(graph, groups), value_weights(graph, groups, extra=False)
+    return sum(with_extra[v] - without[v] for v in evaluate(graph, list(saves)).residuals)
+
+
 @dataclass(frozen=True)
 class BudgetView:
     """The graph a search runs on and the bytes every plan holds besides its residuals."""
@@ -100,17 +128,9 @@ class BudgetView:
         step = graph.step
         assert step is not None
         groups = [1] * len(step.regions) if groups is None else list(groups)
-        arguments = {graph.value_index[v] for v in graph.inputs}
-        extra = graph.value_extra_bytes or [0] * graph.num_values
-        stacked_by = graph.value_region or [-1] * graph.num_values
-        weights = []
-        for v, (nbytes, more) in enumerate(zip(graph.value_bytes, extra, strict=True)):
-            # In k groups, one group's layers are live at a time: 1/k of the stack
-            # (stacked bytes are the layers times one layer's, so this is exact).
-            r = stacked_by[v]
-            weights.append(0 if v in arguments else (nbytes + more) // (groups[r] if r >= 0 else 1))
-        view = CostGraph.model_construct(**{**dict(graph), "value_bytes": weights, "step": None,
-                                            "value_extra_bytes": None})
+        view = CostGraph.model_construct(**{**dict(graph),
+                                            "value_bytes": value_weights(graph, groups),
+                                            "step": None, "value_extra_bytes": None})
         held = step.held_bytes + step.working_bytes + nesting_bytes(step, groups)
         return cls(view, mode, held)
 
