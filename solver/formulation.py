@@ -36,10 +36,12 @@ needed, so every clause above stays. Per decision whose node leaves a residual
 variable, ``offload[d] -> save[d]``; per such residual, ``host[v] = residual[v]
 and offload[d]`` as three exact clauses. Device bytes are the residual bytes
 less the host ones, and the budget caps them; host bytes have a cap of their
-own. The search then minimises the plan's cost in FLOP-equivalents,
-``recompute FLOPs + transfer bytes * device_flop_rate / host_bandwidth``,
-exactly: ``bandwidth * flops + 2 * flop_rate * host_bytes`` over the gcd of its
-coefficients (prices that overflow 64 bits are refused). The layer is built
+own. The search then minimises the time the plan adds in FLOP-equivalents
+(``offload.PlanTime``), exactly, in units of ``1 / bandwidth`` FLOPs over the gcd
+of every coefficient (prices that overflow 64 bits are refused): outside scan
+regions ``bandwidth * flops + 2 * flop_rate * host_bytes``; per region one
+integer variable per pass, at least each term of its max (``AtLeast`` rows), so
+the minimum sets each to its max. The layer is built
 without the dominance reductions: the zero-FLOP chain rule moves a residual onto
 its producer's output, which may be an input that cannot be offloaded, so it is
 not sound once host bytes are free of the budget.
@@ -53,7 +55,12 @@ from fractions import Fraction
 from math import gcd
 
 from optiremat.solver.graph import CostGraph, NodeMode
-from optiremat.solver.offload import TRANSFERS_PER_BYTE, OffloadOptions
+from optiremat.solver.offload import (
+    BACKWARD_PER_FORWARD,
+    TRANSFERS_PER_BYTE,
+    OffloadOptions,
+    PlanTime,
+)
 from optiremat.solver.reduction import bounds, dominated_choices
 from optiremat.solver.semantics import Evaluation, baseline_backward_flops, evaluate
 
@@ -93,6 +100,15 @@ class ScaledSum:
 
 
 @dataclass(frozen=True)
+class AtLeast:
+    """``x[var] >= sum(coef * x[v]) + constant``, in the offload cost's scaled units."""
+
+    var: int
+    terms: tuple[tuple[int, int], ...]
+    constant: int
+
+
+@dataclass(frozen=True)
 class OffloadLayer:
     """Offload on the checkpointing variables (see the module docstring)."""
 
@@ -101,6 +117,18 @@ class OffloadLayer:
     device_bytes: ScaledSum  # residual bytes less host bytes: what the budget caps
     host_bytes: ScaledSum
     host_cap: int  # the host budget in host_bytes' scaled units
+    # A scan region's time per pass: integer variables in [0, upper], not 0-1.
+    integers: tuple[tuple[int, int], ...] = ()  # (variable, upper bound)
+    at_least: tuple[AtLeast, ...] = ()
+
+    def settle(self, values: list[int]) -> None:
+        """Set each integer variable to the least value its rows allow."""
+        least = {var: 0 for var, _ in self.integers}
+        for row in self.at_least:
+            value = row.constant + sum(coef * values[v] for v, coef in row.terms)
+            least[row.var] = max(least[row.var], value)
+        for var, value in least.items():
+            values[var] = value
 
 
 @dataclass(frozen=True)
@@ -161,6 +189,8 @@ class Formulation:
             values[var] = int(n in active)
         for var, v in self.residual_vars:
             values[var] = int(v in residual)
+        if self.offload is not None:
+            self.offload.settle(values)
         return values
 
     def canonical(
@@ -345,8 +375,8 @@ def build(graph: CostGraph, tie: bool, reduce: bool = True,
     residual_bytes = _scaled(byte_terms, always_bytes)
     layer = None
     if offload is not None:
-        layer = _offload_layer(graph, builder, decision_of, residual_vars, recompute_flops,
-                               residual_bytes, offload)
+        layer = _offload_layer(graph, builder, decision_of, residual_vars, active,
+                               b.always_active, residual_bytes, offload)
     return Formulation(
         var_names=tuple(builder.names),
         num_decisions=len(decision_nodes),
@@ -367,14 +397,15 @@ def _offload_layer(
     builder: _Builder,
     decision_of: dict[int, int],
     residual_vars: list[tuple[int, int]],
-    recompute_flops: ScaledSum,
+    active: dict[int, Lit | bool],
+    always_active: frozenset[int],
     residual_bytes: ScaledSum,
     options: OffloadOptions,
 ) -> OffloadLayer:
     """The offload variables and clauses, added to ``builder``, and the layer's sums."""
     offload_of: dict[int, int] = {}  # decision -> its offload variable
     host_of: dict[int, int] = {}  # residual variable -> its host copy
-    host_terms: list[tuple[int, int]] = []
+    host_terms: list[tuple[int, int, int]] = []  # (host variable, value, bytes)
     for var, v in residual_vars:
         p = graph.producer[v]
         assert p is not None, "a residual variable stands for a free node's output"
@@ -387,28 +418,99 @@ def _offload_layer(
         builder.clause((host, False), (var, True))
         builder.clause((host, False), (off, True))
         host_of[var] = host
-        host_terms.append((host, graph.value_bytes[v]))
+        host_terms.append((host, v, graph.value_bytes[v]))
 
     device_terms: list[tuple[int, int]] = []
     for var, coef in residual_bytes.terms:
         device_terms.append((var, coef * residual_bytes.scale))
         if var in host_of:
             device_terms.append((host_of[var], -coef * residual_bytes.scale))
-    # bandwidth * flops + 2 * flop_rate * host bytes: the cost times the rate's denominator.
-    rate = options.flops_per_transfer_byte * TRANSFERS_PER_BYTE
-    cost = _scaled([(var, coef * recompute_flops.scale * rate.denominator)
-                    for var, coef in recompute_flops.terms]
-                   + [(host, nbytes * rate.numerator) for host, nbytes in host_terms],
-                   recompute_flops.offset, rate.denominator)
-    if sum(abs(coef) for _, coef in cost.terms) >= INT64_SAFE:
-        raise ValueError(
-            "the offload objective does not fit 64-bit integers: choose host_bandwidth and "
-            "device_flop_rate with a larger common divisor (round numbers, e.g. 25e9 and 4e14)")
-    host_bytes = _scaled(host_terms, 0)
+    cost, integers, rows = _time_sum(graph, builder, active, always_active, host_terms,
+                                     PlanTime(graph, options))
+    host_bytes = _scaled([(host, nbytes) for host, _, nbytes in host_terms], 0)
     return OffloadLayer(
         offload_vars=tuple((off, d) for d, off in offload_of.items()),
         cost=cost,
         device_bytes=_scaled(device_terms, residual_bytes.offset),
         host_bytes=host_bytes,
         host_cap=options.host_budget_bytes // host_bytes.scale,
+        integers=integers,
+        at_least=rows,
     )
+
+
+def _time_sum(
+    graph: CostGraph,
+    builder: _Builder,
+    active: dict[int, Lit | bool],
+    always_active: frozenset[int],
+    host_terms: list[tuple[int, int, int]],
+    time: PlanTime,
+) -> tuple[ScaledSum, tuple[tuple[int, int], ...], tuple[AtLeast, ...]]:
+    """``time``'s sum on the variables: the offload cost and, per region with
+    transfers, the integer variables and rows of its maxima (the module docstring).
+
+    Everything is first in ticks of ``1 / rate.denominator`` FLOPs (a FLOP is
+    ``den`` ticks, a byte one way ``num``), then divided by the gcd of every
+    coefficient and constant, so that the rows stay exact in scaled units.
+    """
+    rate = time.options.flops_per_transfer_byte
+    num, den = rate.numerator, rate.denominator
+    count = len(time.regions)
+    outside: list[tuple[int, int]] = []
+    recompute: list[list[tuple[int, int]]] = [[] for _ in range(count)]
+    transfer: list[list[tuple[int, int]]] = [[] for _ in range(count)]
+    always = [0] * count
+    outside_always = 0
+    for n, lit in active.items():
+        r = time.node_region[n]
+        (recompute[r] if r >= 0 else outside).append((_index(lit), graph.node_flops[n] * den))
+    for n in always_active:
+        r = time.node_region[n]
+        if r >= 0:
+            always[r] += graph.node_flops[n]
+        else:
+            outside_always += graph.node_flops[n]
+    for host, v, nbytes in host_terms:
+        r = time.value_region[v]
+        if r >= 0:
+            transfer[r].append((host, nbytes * num))
+        else:
+            outside.append((host, TRANSFERS_PER_BYTE * nbytes * num))
+    raw_rows: list[tuple[int, list[tuple[int, int]], int]] = []  # x >= terms + constant
+    passes: list[int] = []
+    for r, region in enumerate(time.regions):
+        if not transfer[r]:
+            # Nothing to hide: the region adds its recomputation, as outside.
+            outside.extend(recompute[r])
+            outside_always += always[r] - region.baseline_flops
+            continue
+        forward = builder.var(f"time[region {r} forward]")
+        backward = builder.var(f"time[region {r} backward]")
+        passes += [forward, backward]
+        hidden = region.forward_flops * den
+        raw_rows.append((forward, transfer[r], -hidden))
+        raw_rows.append((backward, recompute[r], (always[r] - region.baseline_flops) * den))
+        raw_rows.append((backward, transfer[r], -BACKWARD_PER_FORWARD * hidden))
+    scale = 0
+    for _, c in outside:
+        scale = gcd(scale, c)
+    for _, terms, constant in raw_rows:
+        scale = gcd(scale, constant, *(c for _, c in terms))
+    scale = scale or 1
+    rows = tuple(AtLeast(var, tuple((v, c // scale) for v, c in terms if c), constant // scale)
+                 for var, terms, constant in raw_rows)
+    upper: dict[int, int] = {var: 0 for var in passes}
+    for row in rows:
+        most = row.constant + sum(c for _, c in row.terms if c > 0)
+        upper[row.var] = max(upper[row.var], most)
+    cost = ScaledSum(tuple((v, c // scale) for v, c in outside if c)
+                     + tuple((var, 1) for var in passes),
+                     scale, outside_always - time.baseline_outside, den)
+    largest = sum(abs(c) for _, c in cost.terms) + sum(upper.values())
+    largest += sum(abs(row.constant) + sum(abs(c) for _, c in row.terms) for row in rows)
+    if largest >= INT64_SAFE:
+        raise ValueError(
+            "the offload objective does not fit 64-bit integers: choose host_bandwidth and "
+            "device_flop_rate with a larger common divisor (round numbers, e.g. 25e9 and 4e14)")
+    return cost, tuple(upper.items()), rows

@@ -13,12 +13,23 @@ jaxpr JAX produces.
 So the device/host split of a plan's residuals is by producer
 (``evaluate_offload``), on top of ``semantics.evaluate``.
 
-The solve minimises estimated seconds,
-``recompute_flops / device_flop_rate + transfer_bytes / host_bandwidth``,
-as integer FLOP-equivalents (``recompute_flops + transfer_bytes * rate``, with
-the exact rational ``rate = device_flop_rate / host_bandwidth`` FLOPs per byte).
-The estimate overlaps nothing: XLA may hide transfers behind compute, so it is
-an upper bound on the time a plan adds.
+The solve minimises the seconds a plan adds to the step, as integer
+FLOP-equivalents: a transfer of ``b`` bytes costs ``b * rate`` with the exact
+rational ``rate = device_flop_rate / host_bandwidth`` FLOPs per byte
+(``PlanTime``). Inside a ``lax.scan`` of layers a transfer overlaps compute: a
+layer's copies to host run while the next layers compute their forward pass,
+and its copies back are fetched while the layer after it runs its backward pass
+(XLA's host-offload scheduling; torchtitan bounds the same copy window). So per
+region of the step, with ``F`` its forward FLOPs, ``R`` its recomputation and
+``T`` its offloaded bytes times ``rate`` (one direction), the plan adds
+
+    max(F, T) - F          to the forward pass, and
+    max(2F + R, T) - 2F    to the backward pass (about 2F of gradient FLOPs)
+
+which is ``max(R, T - 2F)`` there: transfers cost nothing until they outrun the
+compute that hides them. That is per layer max(compute, transfer), summed over
+the layers, because every layer of a scan runs the same plan. Outside scan
+regions (and on graphs without a step) nothing overlaps: ``R + 2T``.
 """
 
 from __future__ import annotations
@@ -26,13 +37,17 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 from fractions import Fraction
+from itertools import chain
 
 from pydantic import BaseModel, ConfigDict, Field, StrictInt
 
 from optiremat.solver.graph import CostGraph
-from optiremat.solver.semantics import Evaluation, evaluate
+from optiremat.solver.semantics import Evaluation, baseline_evaluation, evaluate
 
 TRANSFERS_PER_BYTE = 2  # device -> host in the forward pass, host -> device in the backward
+# A layer's backward pass runs about twice its forward FLOPs (a matmul's two
+# gradients), the compute its fetches from host hide behind.
+BACKWARD_PER_FORWARD = 2
 
 # PCIe 4.0 x16 moves ~25 GB/s per direction in practice (32 GB/s nominal): the
 # usual link between an accelerator and pinned host memory.
@@ -59,7 +74,8 @@ class OffloadOptions(BaseModel):
         return Fraction(self.device_flop_rate, self.host_bandwidth)
 
     def cost_flops(self, recompute_flops: int, host_bytes: int) -> Fraction:
-        """A plan's cost in FLOP-equivalents: the objective the solve minimises."""
+        """What recomputation and transfers that overlap nothing cost, in FLOP-equivalents
+        (a plan outside scan regions; ``PlanTime`` prices a whole plan)."""
         transfer = TRANSFERS_PER_BYTE * host_bytes
         return recompute_flops + transfer * self.flops_per_transfer_byte
 
@@ -74,7 +90,7 @@ class OffloadReport(BaseModel):
 
     host_bytes: StrictInt  # residual bytes kept in host memory
     transfer_bytes: StrictInt  # bytes over the link, both directions
-    estimated_seconds: float  # recompute and transfer time the plan adds, not overlapped
+    estimated_seconds: float  # recompute and transfer time the plan adds (``PlanTime``)
     lower_bound_seconds: float  # the solver's bound on that
 
 
@@ -99,3 +115,73 @@ def evaluate_offload(graph: CostGraph, saves: Sequence[bool], offloaded: Sequenc
         host = sum(graph.value_bytes[v] for v in ev.residuals
                    if (p := graph.producer[v]) is not None and offloaded[p])
     return OffloadPlan(tuple(saves), tuple(offloaded), ev, ev.residual_bytes - host, host)
+
+
+@dataclass(frozen=True)
+class RegionTime:
+    """What one scan region's plans share: the compute that hides its transfers and
+    the recomputation everything_saveable already runs there."""
+
+    forward_flops: int
+    baseline_flops: int
+
+
+class PlanTime:
+    """The time a plan adds to the step, in FLOP-equivalents (the module docstring):
+    ``cost`` prices a plan exactly, and the formulation's offload layer poses the
+    same sum with one integer per region and pass for each max."""
+
+    def __init__(self, graph: CostGraph, options: OffloadOptions) -> None:
+        self.options = options
+        node_region = graph.node_region or [-1] * graph.num_nodes
+        stacked_by = graph.value_region or [-1] * graph.num_values
+        self.node_region = list(node_region)
+        # A value belongs to the region that stacks it, else to its producer's.
+        self.value_region = [
+            r if r >= 0 else (-1 if (p := graph.producer[v]) is None else node_region[p])
+            for v, r in enumerate(stacked_by)]
+        count = max(chain(node_region, self.value_region), default=-1) + 1
+        forward, baseline = [0] * count, [0] * count
+        for n, r in enumerate(node_region):
+            if r >= 0:
+                forward[r] += graph.node_flops[n]
+        self.baseline_outside = 0
+        for n in baseline_evaluation(graph).active:
+            r = node_region[n]
+            if r >= 0:
+                baseline[r] += graph.node_flops[n]
+            else:
+                self.baseline_outside += graph.node_flops[n]
+        self.regions = tuple(RegionTime(f, b) for f, b in zip(forward, baseline, strict=True))
+        self._flops = graph.node_flops
+        self._bytes = graph.value_bytes
+        self._producer = graph.producer
+
+    def cost(self, plan: OffloadPlan) -> Fraction:
+        """The plan's added time in FLOP-equivalents (exact)."""
+        rate = self.options.flops_per_transfer_byte
+        recompute = [0] * len(self.regions)
+        host = [0] * len(self.regions)
+        outside = -self.baseline_outside
+        for n in plan.evaluation.active:
+            r = self.node_region[n]
+            if r >= 0:
+                recompute[r] += self._flops[n]
+            else:
+                outside += self._flops[n]
+        total = Fraction(outside)
+        for v in plan.evaluation.residuals:
+            p = self._producer[v]
+            if p is None or not plan.offloaded[p]:
+                continue
+            r = self.value_region[v]
+            if r >= 0:
+                host[r] += self._bytes[v]
+            else:
+                total += TRANSFERS_PER_BYTE * self._bytes[v] * rate
+        for region, flops, nbytes in zip(self.regions, recompute, host, strict=True):
+            forward, transfer = region.forward_flops, nbytes * rate
+            total += max(Fraction(0), transfer - forward)
+            total += max(Fraction(flops - region.baseline_flops),
+                         transfer - BACKWARD_PER_FORWARD * forward)
+        return total

@@ -67,6 +67,7 @@ from optiremat.solver.offload import (
     TRANSFERS_PER_BYTE,
     OffloadPlan,
     OffloadReport,
+    PlanTime,
     evaluate_offload,
 )
 from optiremat.solver.repeats import FoldedSearch, compress
@@ -104,8 +105,11 @@ def search_for(
     cancel: threading.Event | None,
 ) -> Search | FoldedSearch:
     """The search for one request: on the folded graph when a tied plan's repeated
-    layers fold exactly (``optiremat.solver.repeats``), else on the graph itself."""
-    if options.tie and not options.direct:
+    layers fold exactly (``optiremat.solver.repeats``), else on the graph itself.
+    An offload search on a step's graph is not folded: the folded graph has no
+    scan regions, whose transfers overlap compute (``offload.PlanTime``)."""
+    overlaps = options.offload is not None and any(r >= 0 for r in graph.node_region or ())
+    if options.tie and not options.direct and not overlaps:
         folded = compress(graph)
         if folded is not None:
             inner = Search(folded.graph, options, started, progress, cancel)
@@ -152,6 +156,7 @@ class Search:
                                     offload=options.offload)
         self.kind = options.backend if self.f.offload is None else Backend.CPSAT
         self.baseline = baseline_backward_flops(graph)
+        self.time = None if options.offload is None else PlanTime(graph, options.offload)
         self._save_all_bytes = evaluate(graph, [True] * graph.num_nodes).residual_bytes
         self._backends: dict[Backend, MilpBackend] = {}
         self._cut_model: CutModel | None = None
@@ -439,14 +444,8 @@ class Search:
         saves = self.f.node_saves(self.graph, decisions)
         priced = evaluate_offload(self.graph, saves, offloaded, evaluation)
         recompute = priced.evaluation.backward_flops - self.baseline
-        return _Plan(tuple(decisions), offloads, priced, recompute,
-                     self._cost(recompute, priced.host_bytes))
-
-    def _cost(self, recompute_flops: int, host_bytes: int) -> Fraction:
-        offload = self.options.offload
-        if offload is None:
-            return Fraction(recompute_flops)
-        return offload.cost_flops(recompute_flops, host_bytes)
+        cost = Fraction(recompute) if self.time is None else self.time.cost(priced)
+        return _Plan(tuple(decisions), offloads, priced, recompute, cost)
 
     def _solution(
         self,

@@ -69,7 +69,12 @@ def _propagate(graph: CostGraph, save: Sequence[bool]) -> Evaluation:
 
 
 def baseline_backward_flops(graph: CostGraph) -> int:
-    """Backward FLOPs under JAX's ``everything_saveable``.
+    """Backward FLOPs under JAX's ``everything_saveable`` (``baseline_evaluation``)."""
+    return baseline_evaluation(graph).backward_flops
+
+
+def baseline_evaluation(graph: CostGraph) -> Evaluation:
+    """The plan of JAX's ``everything_saveable``.
 
     That policy saves every equation it is offered (every node with a key, even
     one a names policy would force to recompute); nodes without a key are fixed
@@ -78,7 +83,7 @@ def baseline_backward_flops(graph: CostGraph) -> int:
     """
     save = [bool(key) or mode != NodeMode.RECOMPUTE
             for key, mode in zip(graph.node_key, graph.node_mode, strict=True)]
-    return _propagate(graph, save).backward_flops
+    return _propagate(graph, save)
 
 
 def recompute_flops(graph: CostGraph, saved: Sequence[bool]) -> int:

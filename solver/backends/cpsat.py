@@ -75,9 +75,16 @@ class CpSatBackend:
     def __init__(self, formulation: Formulation) -> None:
         self._f = formulation
         model = cp_model.CpModel()
-        x = [model.new_bool_var(name) for name in formulation.var_names]
+        integers = dict(formulation.offload.integers) if formulation.offload else {}
+        x: list[cp_model.IntVar] = [
+            model.new_int_var(0, integers[v], name) if v in integers else model.new_bool_var(name)
+            for v, name in enumerate(formulation.var_names)]
         for clause in formulation.clauses:
             model.add_bool_or([x[v] if positive else ~x[v] for v, positive in clause])
+        for row in formulation.offload.at_least if formulation.offload else ():
+            terms = cp_model.LinearExpr.weighted_sum([x[v] for v, _ in row.terms],
+                                                     [c for _, c in row.terms])
+            model.add(x[row.var] >= terms + row.constant)
         self._sums = {
             Objective.COST: formulation.cost,
             Objective.BYTES: formulation.budgeted_bytes,
@@ -117,7 +124,7 @@ class CpSatBackend:
         model.clear_hints()  # type: ignore[no-untyped-call]
         if self._last is not None:
             for var, value in zip(self._x, self._last, strict=True):
-                model.add_hint(var, bool(value))
+                model.add_hint(var, int(value))
 
         solver = cp_model.CpSolver()
         time_left = max(0.0, time_limit_s - (time.monotonic() - called))
