@@ -15,7 +15,9 @@ For every model of the scan corpus (``tests/peak_models.py``) it prints:
 * the one-checkpoint-around-everything form the README used to teach, for the
   record (its peak does not move);
 
-and then the time to plan an 8B-shaped Llama stack from ``ShapeDtypeStruct``
+the nested groups against the best hand-written nesting, the smallest device peak
+with offload, one frontier over the three levers (per layer, nested, offload) in
+estimated seconds, and then the time to plan an 8B-shaped Llama stack from ``ShapeDtypeStruct``
 arguments (32 layers, D=4096, F=14336, T=8192, 32/8 heads, bf16), with the
 calibration compile timed apart.
 """
@@ -159,16 +161,56 @@ def offload() -> None:
              "Llama, 64 layers (d 128, batch 8, seq 256)":
                  llama(layers=64, d=128, ffn=344, heads=4, kv_heads=2, batch=8, seq=256)}
     for name, (fun, args) in cases.items():
-        without = min_feasible_budget(step_extraction(fun, args, Step.of(0)).graph)
+        graph = step_extraction(fun, args, Step.of(0)).graph
+        without = min_feasible_budget(graph)
         try:
             optimize(fun, *args, budget=0, offload=options)
         except InfeasibleBudgetError as err:
             smallest = err.min_budget_bytes
         plan = optimize(fun, *args, budget=smallest, offload=options)
-        print(f"{name}: without offload {format_bytes(without)}, with offload "
+        sol = plan.solution
+        assert sol.offload is not None
+        summed = options.seconds(options.cost_flops(sol.recompute_flops, sol.offload.host_bytes))
+        print(f"{name}: without offload {format_bytes(without)} (held "
+              f"{format_bytes(graph.step.held_bytes)}, working set "
+              f"{format_bytes(graph.step.working_bytes)}), with offload "
               f"{format_bytes(smallest)} ({smallest / without:.3f}x) and "
               f"{format_bytes(plan.host_bytes)} in host memory "
-              f"({len(plan.offloaded_keys)} keys offloaded, the layer input among them)")
+              f"({len(plan.offloaded_keys)} keys offloaded, the layer input among them); "
+              f"estimated {sol.offload.estimated_seconds * 1e3:.3f} ms added with transfers "
+              f"overlapping the layers' compute, {summed * 1e3:.3f} ms if nothing overlapped")
+
+
+def levers(plot: Path | None) -> None:
+    """One frontier over recomputation per layer, nested groups and offload: each
+    point the lever that adds the fewest estimated seconds at its budget."""
+    from optiremat.client.frontier import graph_builtin_points, sweep
+    from optiremat.client.plot import plot_frontier
+    from optiremat.solver.offload import OffloadOptions
+
+    cases = {"residual_stack": ("residual stack, 64 layers", residual_stack(64), 10**12),
+             "llama": ("Llama, 64 layers", llama(layers=64, d=128, ffn=344, heads=4,
+                                                 kv_heads=2, batch=8, seq=256), 25 * 10**9)}
+    for slug, (name, (fun, args), bandwidth) in cases.items():
+        graph = step_extraction(fun, args, Step.of(0), name_inputs=True).graph
+        options = OffloadOptions(host_bandwidth=bandwidth)
+        started = time.perf_counter()
+        front = sweep(graph, count=10, offload=options)
+        took = time.perf_counter() - started
+        assert front.step_seconds is not None
+        print(f"\n## one frontier over the three levers: {name}, link {bandwidth / 1e9:g} GB/s "
+              f"(10 points in {took:.1f} s; the step itself {front.step_seconds * 1e6:.1f} us)")
+        print(f"{'budget':>12} {'peak':>12} {'added us':>9} {'host':>10}  lever")
+        for p in front.plans:
+            lever = (f"nested, {p.groups} groups" if p.groups else
+                     "offload" if p.host_bytes else "recompute per layer")
+            print(f"{format_bytes(p.budget_bytes):>12} {format_bytes(p.memory_bytes):>12} "
+                  f"{(p.estimated_seconds or 0) * 1e6:9.3f} {format_bytes(p.host_bytes or 0):>10}"
+                  f"  {lever}{'' if p.pareto else ' (not Pareto)'}")
+        if plot is not None:
+            path = plot.with_name(f"{plot.stem}_{slug}{plot.suffix}")
+            plot_frontier(front, path, builtins=graph_builtin_points(graph), title=name)
+            print(f"plot: {path}")
 
 
 def eight_billion() -> None:
@@ -207,6 +249,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="6 points on three models")
     parser.add_argument("--no-8b", action="store_true", help="skip the 8B planning time")
+    parser.add_argument("--plot", type=Path, help="write the lever frontiers' plots here "
+                        "(one per model, the name suffixed)")
     opts = parser.parse_args()
     models = [m for m in CORPUS if m.name in ("llama_f32_L8", "vit_L12", "mlp_L32")] \
         if opts.quick else CORPUS
@@ -219,6 +263,7 @@ def main() -> None:
           f"rises {sum(r['rises'] for r in results)}")
     nested()
     offload()
+    levers(opts.plot)
     if not opts.no_8b:
         eight_billion()
 

@@ -34,7 +34,8 @@ def explain_plan(graph: CostGraph, solution: Solution, top: int | None = 20) -> 
         f"over {len(recomputed)} equations (lower bound {sol.lower_bound_flops:,})")
     if sol.offload is not None:
         lines.append(f"offloaded to host memory: {format_bytes(sol.host_bytes)}; estimated "
-                     f"{sol.offload.estimated_seconds * 1e3:.3f} ms of recompute and transfers")
+                     f"{sol.offload.estimated_seconds * 1e3:.3f} ms added to the step by "
+                     "recomputation and the transfers its compute does not hide")
     if sol.peak_bytes is not None:
         lines += ["", *peak_breakdown(graph, sol, evaluation), "", *lever_breakdown(graph, sol)]
     lines += ["", *_residual_table(graph, sol, evaluation, top)]
@@ -124,7 +125,7 @@ def lever_breakdown(graph: CostGraph, solution: Solution) -> list[str]:
         nested = BudgetView.of(graph, None, groups).predicted(saves)
         lines.append(row("nested groups", per_layer - nested,
                          f"groups {list(groups)}; a second forward pass, {second_pass:,} FLOPs"))
-    if solution.offload is not None:
+    if solution.offload is not None and solution.host_bytes:
         lines.append(row("offload", solution.host_bytes,
                          f"to host memory; {format_bytes(solution.offload.transfer_bytes)} "
                          "over the link"))

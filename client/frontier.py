@@ -12,7 +12,13 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from optiremat.solver.baselines import BUILTIN_POLICIES, policy_saves
-from optiremat.solver.frontier import mark_pareto, point_fields, solve_budgets, spaced_budgets
+from optiremat.solver.frontier import (
+    frontier_of,
+    mark_pareto,
+    point_fields,
+    solve_budgets,
+    spaced_budgets,
+)
 from optiremat.solver.graph import CostGraph
 from optiremat.solver.peak import BudgetView
 from optiremat.solver.semantics import baseline_backward_flops, evaluate
@@ -41,20 +47,21 @@ def sweep(graph: CostGraph, budgets: Sequence[int] | None = None,
     """Solve ``graph`` once per budget: explicit ``budgets``, or ``count`` spaced ones
     from the smallest feasible budget to the largest useful one (plus the feasible
     ones in ``also``). Each solve starts from the previous budget's plan
-    (``optiremat.solver.frontier.solve_budgets``)."""
+    (``optiremat.solver.frontier.solve_budgets``). With ``offload=OffloadOptions(...)``
+    on a step's graph each point is the best of recomputation per layer, nested
+    groups and offload, and the frontier is peak bytes against estimated seconds."""
     resolved = resolve_options(None, dict(options))
     low = high = None
     if budgets is None:
         if count is None:
             raise ValueError("give budgets or count")
-        low = min_feasible_budget(graph, resolved.tie, resolved.memory, resolved.nest)
+        low = min_feasible_budget(graph, resolved.tie, resolved.memory, resolved.nest,
+                                  resolved.offload)
         high = max_useful_budget(graph, resolved.memory)
         budgets = spaced_budgets(low, high, count) + [b for b in also if low <= b <= high]
     results = solve_budgets(graph, budgets, resolved)
     points = [FrontierPoint(**point_fields(budget, result)) for budget, result in results.items()]
-    mark_pareto(points)
-    return Frontier(graph_hash=graph.content_hash, options=resolved, min_feasible_budget=low,
-                    max_useful_budget=high, points=points)
+    return frontier_of(graph, resolved, points, low, high)
 
 
 # ---- JAX's built-in policies ---------------------------------------------------

@@ -2,19 +2,24 @@
 
 Plans from a budget sweep form a staircase (fewer bytes, more FLOPs); JAX's
 built-in policies are marked as points on the same axes, so a policy above the
-staircase is beaten by a plan at the same memory. Drawn with matplotlib's Agg
-canvas (no display, no pyplot state), as PNG or SVG by the file's suffix.
+staircase is beaten by a plan at the same memory. A sweep with offload options
+is drawn as peak bytes against estimated step time, each plan marked by its
+lever (recomputation per layer, nested groups, offload) and the nested plan at
+the smallest peak named. Drawn with matplotlib's Agg canvas (no display, no
+pyplot state), as PNG or SVG by the file's suffix.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from optiremat.client.frontier import (
     DEFAULT_POINTS,
     Frontier,
+    FrontierPoint,
     PolicyPoint,
     builtin_points,
     graph_builtin_points,
@@ -46,26 +51,51 @@ def plot_frontier(frontier: Frontier, path: str | Path, *,
                   + [p.memory_bytes for p in builtins.values()] + [1])
     peak = any(p.peak_bytes is not None for p in plans)
     unit, scale = _byte_unit(largest)
+    timed = _StepTime.of(frontier)
+
+    def cost(p: FrontierPoint) -> float:
+        return timed.of_plan(p) if timed else p.recompute_flops or 0
+
     if plans:
         xs = [(p.memory_bytes or 0) / scale for p in plans]
-        ys = [p.recompute_flops or 0 for p in plans]
-        # A plan's FLOPs hold from its bytes up to the next plan's: a staircase.
-        ax.step(xs, ys, where="post", color="tab:blue", linewidth=1.5, label="optiremat plans")
+        # A plan's cost holds from its bytes up to the next plan's: a staircase.
+        ax.step(xs, [cost(p) for p in plans], where="post", color="tab:blue", linewidth=1.5,
+                label="optiremat plans")
         pareto = [p for p in plans if p.pareto]
-        ax.plot([(p.memory_bytes or 0) / scale for p in pareto],
-                [p.recompute_flops or 0 for p in pareto],
-                "o", color="tab:blue", markersize=5)
+        if timed:
+            for lever, (marker, color) in _LEVERS.items():
+                these = [p for p in pareto if _lever(p) == lever]
+                if these:
+                    ax.plot([(p.memory_bytes or 0) / scale for p in these],
+                            [cost(p) for p in these], marker, color=color, markersize=6,
+                            linestyle="none", label=f"plans: {lever}")
+            nested = [p for p in plans if _lever(p) == "nested groups"]
+            if nested:
+                best = min(nested, key=lambda p: (p.memory_bytes or 0, cost(p)))
+                ax.annotate(f"best nested form: {_groups(best)}",
+                            ((best.memory_bytes or 0) / scale, cost(best)),
+                            textcoords="offset points", xytext=(8, 8), fontsize="small")
+        else:
+            ax.plot([(p.memory_bytes or 0) / scale for p in pareto], [cost(p) for p in pareto],
+                    "o", color="tab:blue", markersize=5)
     if frontier.min_feasible_budget is not None:
         ax.axvspan(0, frontier.min_feasible_budget / scale, color="0.92", zorder=0,
                    label="below the smallest feasible budget")
     for name, point in builtins.items():
-        ax.plot(point.memory_bytes / scale, point.recompute_flops, _MARKERS.get(name, "x"),
-                color="tab:red", markersize=7, linestyle="none", label=f"jax: {name}")
+        y = timed.of_flops(point.recompute_flops) if timed else point.recompute_flops
+        ax.plot(point.memory_bytes / scale, y, _MARKERS.get(name, "x"), color="tab:red",
+                markersize=7, linestyle="none",
+                label=f"jax: {name}" + (" per layer" if peak else ""))
 
-    ax.yaxis.set_major_formatter(FuncFormatter(lambda y, _: _si(y)))
+    if timed:
+        time_unit, per_second = _time_unit(max([cost(p) for p in plans] + [1e-9]))
+        ax.yaxis.set_major_formatter(FuncFormatter(lambda y, _: f"{y * per_second:g}"))
+        ax.set_ylabel(f"estimated step time ({time_unit})")
+    else:
+        ax.yaxis.set_major_formatter(FuncFormatter(lambda y, _: _si(y)))
+        ax.set_ylabel("recompute FLOPs (beyond saving everything)")
     ax.set_xlabel(f"peak of the training step ({unit})" if peak
                   else f"residual memory ({unit})")
-    ax.set_ylabel("recompute FLOPs (beyond saving everything)")
     ax.set_xlim(left=0)
     ax.set_ylim(bottom=0)
     ax.grid(True, alpha=0.3)
@@ -75,11 +105,58 @@ def plot_frontier(frontier: Frontier, path: str | Path, *,
     return path
 
 
+# How a plan lowers its peak, by marker and colour.
+_LEVERS = {"recompute per layer": ("o", "tab:blue"), "nested groups": ("s", "tab:green"),
+           "offload": ("^", "tab:purple")}
+
+
+def _lever(p: FrontierPoint) -> str:
+    if p.host_bytes:
+        return "offload"
+    if p.groups and any(k != 1 for k in p.groups):
+        return "nested groups"
+    return "recompute per layer"
+
+
+def _groups(p: FrontierPoint) -> str:
+    return ", ".join(f"{k} groups" for k in p.groups or () if k != 1)
+
+
+@dataclass(frozen=True)
+class _StepTime:
+    """A frontier's time axis: the step's own seconds plus what each plan adds."""
+
+    step_seconds: float
+    flop_rate: int
+
+    @classmethod
+    def of(cls, frontier: Frontier) -> _StepTime | None:
+        offload = frontier.options.offload
+        if frontier.step_seconds is None or offload is None:
+            return None
+        return cls(frontier.step_seconds, offload.device_flop_rate)
+
+    def of_plan(self, p: FrontierPoint) -> float:
+        if p.estimated_seconds is None:
+            return self.of_flops(p.recompute_flops or 0)
+        return self.step_seconds + p.estimated_seconds
+
+    def of_flops(self, recompute_flops: int) -> float:
+        return self.step_seconds + recompute_flops / self.flop_rate
+
+
 def _byte_unit(n: int) -> tuple[str, int]:
     for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
         if n >= 2 * size:
             return unit, size
     return "bytes", 1
+
+
+def _time_unit(seconds: float) -> tuple[str, float]:
+    for unit, per_second in (("s", 1.0), ("ms", 1e3), ("µs", 1e6)):
+        if seconds * per_second >= 2:
+            return unit, per_second
+    return "ns", 1e9
 
 
 def _si(x: float) -> str:
@@ -94,12 +171,17 @@ def plot_function(fun: Callable, *args: Any, path: str | Path, points: int = DEF
     """Extract ``fun``, sweep ``points`` budgets locally, price the built-ins, and plot:
     peaks of the training step by default (the built-ins applied per layer, as the
     model predicts them), or with ``memory="residuals"`` the residuals of one
-    checkpoint around ``fun`` (the built-ins measured by ``saved_residuals``)."""
+    checkpoint around ``fun`` (the built-ins measured by ``saved_residuals``). With
+    ``offload=OffloadOptions(...)`` the plans use all three levers and the plot is
+    peak bytes against estimated step time."""
     from optiremat.client.extract import extract_graph
-    from optiremat.client.step_graph import extract_step
+    from optiremat.client.step import Step
+    from optiremat.client.step_graph import step_extraction
 
     if memory == "peak":
-        graph = extract_step(fun, *args)
+        # An offload plan may offload each layer's input: named for the policy.
+        graph = step_extraction(fun, args, Step.of(0), name=getattr(fun, "__qualname__", ""),
+                                name_inputs=options.get("offload") is not None).graph
         builtins = graph_builtin_points(graph)
     else:
         graph = extract_graph(fun, *args)

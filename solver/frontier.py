@@ -2,7 +2,9 @@
 
 ``optiremat.client.frontier.sweep`` (local) and the service's ``POST /v1/frontier`` both
 space budgets with ``spaced_budgets``, build points with ``point_fields`` and
-mark them with ``mark_pareto``. ``solve_budgets`` is the sweep itself: budgets
+the answer with ``frontier_of``. With offload options a point's plan is the best
+of the three levers at its budget (``solver.nesting``), priced in estimated
+seconds. ``solve_budgets`` is the sweep itself: budgets
 in increasing order on one ``optiremat.solver.solve.BudgetSeries`` (one formulation and backend
 model for all of them), each solve started from the previous budget's plan. That
 plan fits every larger budget, so it is a hint and a FLOPs ceiling (an upper
@@ -18,8 +20,10 @@ from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
 from optiremat.solver.graph import CostGraph
+from optiremat.solver.offload import step_seconds
 from optiremat.solver.solution import InfeasibleBudgetError, Solution, SolveOptions, SolveStatus
 from optiremat.solver.solve import BudgetSeries
+from optiremat.solver.wire import Frontier, FrontierPoint
 
 
 class ParetoPoint(Protocol):
@@ -27,6 +31,7 @@ class ParetoPoint(Protocol):
     residual_bytes: int | None
     peak_bytes: int | None
     recompute_flops: int | None
+    estimated_seconds: float | None
     pareto: bool
 
 
@@ -79,14 +84,31 @@ def point_fields(budget: int, result: FrontierResult) -> dict[str, Any]:
                   recompute_flops=result.recompute_flops if planned else None)
     if planned and result.peak_bytes is not None:
         fields["peak_bytes"] = result.peak_bytes
+    if planned and result.offload is not None:
+        fields["estimated_seconds"] = result.offload.estimated_seconds
+        fields["host_bytes"] = result.offload.host_bytes
+    if planned and result.groups is not None:
+        fields["groups"] = result.groups
     return fields
+
+
+def frontier_of(graph: CostGraph, options: SolveOptions, points: list[FrontierPoint],
+                low: int | None = None, high: int | None = None) -> Frontier:
+    """The sweep's answer: ``points`` Pareto-marked, with offload options the step's
+    own estimated seconds beside them."""
+    mark_pareto(points)
+    step = None if options.offload is None else step_seconds(graph, options.offload)
+    return Frontier(graph_hash=graph.content_hash, options=options, min_feasible_budget=low,
+                    max_useful_budget=high, points=points, step_seconds=step)
 
 
 def mark_pareto(points: Sequence[ParetoPoint]) -> None:
     """Set ``pareto`` on the plans no other plan beats in both bytes (the peak of
-    peak plans, else residuals) and FLOPs (equal plans are all marked)."""
+    peak plans, else residuals) and cost (estimated seconds where the points have
+    them, else FLOPs; equal plans are all marked)."""
     plans = [(p, (p.peak_bytes if p.peak_bytes is not None else p.residual_bytes,
-                  p.recompute_flops)) for p in points
+                  p.estimated_seconds if p.estimated_seconds is not None
+                  else p.recompute_flops)) for p in points
              if p.status in (SolveStatus.OPTIMAL, SolveStatus.FEASIBLE)
              and p.residual_bytes is not None and p.recompute_flops is not None]
     for p, cost in plans:

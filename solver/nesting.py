@@ -24,13 +24,22 @@ the same MILP on a view of the graph (``BudgetView.of(graph, memory, groups)``);
 the plan with the fewest FLOPs, the extra forward pass included, is the answer,
 ties to fewer groups. Regions are nested one at a time (the others per layer):
 a step with several scans of layers is searched region by region, not jointly.
+
+With offload (``solver.offload``) the levers are chosen together: the plan per
+layer may offload, nested groups do not (``lever_options``: a group's
+checkpoint recomputes its layers' residuals, so there is nothing per layer to
+offload across its boundary), and the answer is the candidate that adds the
+fewest estimated seconds, a nested one priced at its FLOPs over the device's
+rate.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
 
 from optiremat.solver.graph import CostGraph
+from optiremat.solver.offload import OffloadReport
 from optiremat.solver.semantics import evaluate
 from optiremat.solver.solution import InfeasibleBudgetError, Solution, SolveOptions, SolveStatus
 from optiremat.solver.step import Memory
@@ -55,10 +64,17 @@ def candidate_groups(graph: CostGraph) -> list[Groups]:
 
 
 def nests(graph: CostGraph, memory: Memory, options: SolveOptions) -> bool:
-    """Whether a solve of ``graph`` has group counts to choose from: a peak budget, with
-    ``options.nest`` on and no offload (an offload plan checkpoints each layer)."""
-    return (options.nest and options.offload is None and memory == Memory.PEAK
-            and graph.step is not None and len(candidate_groups(graph)) > 1)
+    """Whether a solve of ``graph`` has group counts to choose from: a peak budget,
+    with ``options.nest`` on."""
+    return (options.nest and memory == Memory.PEAK and graph.step is not None
+            and len(candidate_groups(graph)) > 1)
+
+
+def lever_options(options: SolveOptions, groups: Sequence[int]) -> SolveOptions:
+    """What the candidate ``groups`` is solved with: nested groups offload nothing."""
+    if options.offload is not None and any(k != 1 for k in groups):
+        return options.model_copy(update={"offload": None})
+    return options
 
 
 def forward_flops(graph: CostGraph, groups: Sequence[int]) -> int:
@@ -68,13 +84,15 @@ def forward_flops(graph: CostGraph, groups: Sequence[int]) -> int:
     return sum(f for r, f in zip(regions, graph.node_flops, strict=True) if r in nested)
 
 
-def choose_groups(graph: CostGraph, budget: int,
+def choose_groups(graph: CostGraph, budget: int, options: SolveOptions,
                   solve_with: Callable[[Groups], Solution]) -> Solution:
     """The cheapest of the solves at every candidate group count.
 
-    Each candidate is solved as ``solve_with(groups)`` (raising InfeasibleBudgetError
-    when nothing fits); its recompute FLOPs and bound count the extra forward pass.
-    The answer is proven optimal only when no other candidate's bound is lower.
+    Each candidate is solved as ``solve_with(groups)`` with ``lever_options``
+    (raising InfeasibleBudgetError when nothing fits); its recompute FLOPs and
+    bound count the extra forward pass, and with offload requested (``options``)
+    it is priced in estimated seconds. The answer is proven optimal only when no
+    other candidate's bound is lower.
     """
     answers: list[tuple[Groups, Solution]] = []
     smallest: int | None = None
@@ -85,20 +103,49 @@ def choose_groups(graph: CostGraph, budget: int,
             smallest = err.min_budget_bytes if smallest is None \
                 else min(smallest, err.min_budget_bytes)
             continue
-        answers.append((groups, _with_groups(graph, answer, groups)))
+        answers.append((groups, _as_requested(_with_groups(graph, answer, groups), options)))
     if not answers:
         assert smallest is not None
         raise InfeasibleBudgetError(budget, smallest)
     planned = [(g, a) for g, a in answers if a.node_decisions]
     if not planned:  # every search stopped before a plan
         return answers[0][1]
-    groups, best = min(planned, key=lambda ga: (ga[1].recompute_flops, sum(ga[0])))
-    bound = min(a.lower_bound_flops for _, a in planned)
-    if bound < best.lower_bound_flops:
-        gap = (best.recompute_flops - bound) / best.recompute_flops if best.recompute_flops else 0.0
-        status = SolveStatus.OPTIMAL if bound >= best.recompute_flops else SolveStatus.FEASIBLE
-        best = best.model_copy(update={"lower_bound_flops": bound, "gap": gap, "status": status})
+    groups, best = min(planned, key=lambda ga: (_cost(ga[1]), sum(ga[0])))
+    bound = min(_bound(a) for _, a in planned)
+    if bound < _bound(best):
+        cost = _cost(best)
+        gap = (cost - bound) / cost if cost else 0.0
+        status = SolveStatus.OPTIMAL if bound >= cost else SolveStatus.FEASIBLE
+        update: dict[str, object] = {"gap": gap, "status": status}
+        if best.offload is None:
+            update["lower_bound_flops"] = int(bound)
+        else:
+            rate = best.options.offload.device_flop_rate if best.options.offload else 1
+            update["lower_bound_flops"] = math.floor(bound * rate)
+            update["offload"] = best.offload.model_copy(update={"lower_bound_seconds": bound})
+        best = best.model_copy(update=update)
     return best
+
+
+def _cost(answer: Solution) -> float:
+    """What the choice minimises: estimated seconds with offload, else recompute FLOPs."""
+    return answer.offload.estimated_seconds if answer.offload else answer.recompute_flops
+
+
+def _bound(answer: Solution) -> float:
+    return answer.offload.lower_bound_seconds if answer.offload else answer.lower_bound_flops
+
+
+def _as_requested(answer: Solution, options: SolveOptions) -> Solution:
+    """A candidate solved without offload, reported as the offload request it answers:
+    nothing on the host, its FLOPs at the device's rate (no transfers to overlap)."""
+    offload = options.offload
+    if offload is None or answer.offload is not None:
+        return answer
+    rate = offload.device_flop_rate
+    return answer.model_copy(update={"options": options, "offload": OffloadReport(
+        host_bytes=0, transfer_bytes=0, estimated_seconds=answer.recompute_flops / rate,
+        lower_bound_seconds=answer.lower_bound_flops / rate)})
 
 
 def _with_groups(graph: CostGraph, answer: Solution, groups: Groups) -> Solution:

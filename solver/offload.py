@@ -117,6 +117,12 @@ def evaluate_offload(graph: CostGraph, saves: Sequence[bool], offloaded: Sequenc
     return OffloadPlan(tuple(saves), tuple(offloaded), ev, ev.residual_bytes - host, host)
 
 
+def step_seconds(graph: CostGraph, options: OffloadOptions) -> float:
+    """The step without remat, estimated: its forward FLOPs and the backward pass's
+    ``BACKWARD_PER_FORWARD`` times as many, at the device's rate."""
+    return (1 + BACKWARD_PER_FORWARD) * sum(graph.node_flops) / options.device_flop_rate
+
+
 @dataclass(frozen=True)
 class RegionTime:
     """What one scan region's plans share: the compute that hides its transfers and

@@ -16,7 +16,8 @@ from collections.abc import Sequence
 from typing import Any
 
 from optiremat.solver.graph import CostGraph
-from optiremat.solver.nesting import choose_groups, min_budget_over_groups, nests
+from optiremat.solver.nesting import choose_groups, lever_options, min_budget_over_groups, nests
+from optiremat.solver.offload import OffloadOptions
 from optiremat.solver.peak import BudgetView, canonical_options, resolve_memory
 from optiremat.solver.repeats import FoldedSearch
 from optiremat.solver.search import ProgressCallback, Search, search_for
@@ -54,8 +55,9 @@ def solve(
         raise ValueError(f"budget_bytes must be a non-negative integer, got {budget_bytes!r}")
     options = canonical_options(graph, options)
     if groups is None and nests(graph, resolve_memory(graph, options.memory), options):
-        return choose_groups(graph, budget_bytes, lambda g: solve(
-            graph, budget_bytes, options, progress=progress, cancel=cancel, groups=g))
+        return choose_groups(graph, budget_bytes, options, lambda g: solve(
+            graph, budget_bytes, lever_options(options, g), progress=progress, cancel=cancel,
+            groups=g))
     view = BudgetView.of(graph, options.memory, groups)
 
     def search(g: CostGraph, budget: int) -> Solution:
@@ -109,7 +111,7 @@ class BudgetSeries:
 
     def solve(self, budget_bytes: int, start: Sequence[bool] | None = None) -> Solution:
         if self._nested is not None:
-            return choose_groups(self._graph, budget_bytes,
+            return choose_groups(self._graph, budget_bytes, self._options,
                                   lambda g: self._grouped(g).solve(budget_bytes, start))
         search = self._shared or self._search()
         search.restart_clock(time.monotonic())
@@ -123,19 +125,22 @@ class BudgetSeries:
     def _grouped(self, groups: tuple[int, ...]) -> BudgetSeries:
         assert self._nested is not None
         if groups not in self._nested:
-            self._nested[groups] = BudgetSeries(self._graph, self._options, self._cancel, groups)
+            self._nested[groups] = BudgetSeries(
+                self._graph, lever_options(self._options, groups), self._cancel, groups)
         return self._nested[groups]
 
 
 def min_feasible_budget(graph: CostGraph, tie: bool = True, memory: Memory | None = None,
-                        nest: bool = True) -> int:
+                        nest: bool = True, offload: OffloadOptions | None = None) -> int:
     """The smallest budget any plan fits (tied by policy key when ``tie``; peak plans
-    nested in groups too, unless ``nest`` is off)."""
-    options = SolveOptions(tie=tie, backend=Backend.CPSAT, nest=nest)
+    nested in groups too, unless ``nest`` is off; with ``offload``, device bytes with
+    the plan per layer offloading within the host budget)."""
+    options = SolveOptions(tie=tie, backend=Backend.CPSAT, nest=nest, offload=offload)
 
     def least(groups: Sequence[int] | None) -> int:
         view = BudgetView.of(graph, memory, groups)
-        return view.budget(search_for(view.graph, options, time.monotonic(), None, None)
+        asked = options if groups is None else lever_options(options, groups)
+        return view.budget(search_for(view.graph, asked, time.monotonic(), None, None)
                            .min_budget())
 
     if nests(graph, resolve_memory(graph, memory), options):

@@ -151,11 +151,24 @@ class FrontierPoint(BaseModel):
     )
     recompute_flops: int | None = None
     pareto: bool = Field(
-        default=False, description="No other point has both fewer bytes and fewer FLOPs."
+        default=False,
+        description="No other point has both fewer bytes and fewer FLOPs (with offload "
+                    "options: fewer estimated seconds).",
     )
     min_budget_bytes: int | None = Field(
         default=None, description="For an infeasible budget: the smallest feasible one."
     )
+    # With offload options the plan may use any of the three levers (recomputation
+    # per layer, nested groups, offload); these say which, and what it costs in time.
+    estimated_seconds: float | None = Field(
+        default=None, exclude_if=lambda v: v is None,
+        description="With offload options: the seconds the plan adds to the step.")
+    host_bytes: int | None = Field(
+        default=None, exclude_if=lambda v: v is None,
+        description="With offload options: residual bytes offloaded to host memory.")
+    groups: list[int] | None = Field(
+        default=None, exclude_if=lambda v: v is None,
+        description="Per region of the step, its layers in that many rematerialised groups.")
 
     @property
     def memory_bytes(self) -> int | None:
@@ -171,6 +184,10 @@ class Frontier(BaseModel):
     min_feasible_budget: int | None = Field(default=None, description="Set when count was given.")
     max_useful_budget: int | None = Field(default=None, description="Set when count was given.")
     points: list[FrontierPoint]
+    step_seconds: float | None = Field(
+        default=None, exclude_if=lambda v: v is None,
+        description="With offload options: the estimated seconds of the step without "
+                    "remat, to which each point's estimated_seconds add.")
 
     @property
     def plans(self) -> list[FrontierPoint]:

@@ -20,11 +20,15 @@ import optiremat
 from optiremat.client.errors import NotFound, ProblemError, RemoteInfeasibleBudget
 from optiremat.client.frontier import sweep
 from optiremat.client.remote import RematClient
+from optiremat.client.step import Step
+from optiremat.client.step_graph import step_extraction
+from optiremat.solver.offload import OffloadOptions
 from optiremat.solver.solution import InfeasibleBudgetError
 from optiremat.solver.solve import max_useful_budget, min_feasible_budget
 from tests.flaky_proxy import FlakyProxy
 from tests.models import CORPUS
 from tests.peak_models import CORPUS as PEAK_CORPUS
+from tests.peak_models import residual_stack
 from tests.service_harness import REPO, Server, running_server
 
 # Under the server's cap on synchronous solves, so both sides solve the same request.
@@ -182,6 +186,19 @@ def test_jobs_submit_wait_and_frontier_match_the_local_answers(remote: RematClie
     there = remote.frontier(graph, count=4, **OPTIONS)
     assert there.points == here.points
     assert there.min_feasible_budget == here.min_feasible_budget
+
+
+def test_a_frontier_over_every_lever_is_the_same_remotely(remote: RematClient) -> None:
+    fun, args = residual_stack(layers=16, d=64, batch=128)
+    graph = step_extraction(fun, args, Step.of(0), name_inputs=True).graph
+    link = OffloadOptions(host_bandwidth=10**12)
+    here = sweep(graph, count=4, offload=link)
+    there = remote.frontier(graph, count=4, offload=link)
+    # The server's range counts offload too: its smallest budget is the offload plan's.
+    assert there.min_feasible_budget == here.min_feasible_budget
+    assert here.min_feasible_budget == min_feasible_budget(graph, offload=link)
+    assert there.points == here.points and there.step_seconds == here.step_seconds
+    assert all(p.estimated_seconds is not None for p in there.plans)
 
 
 def test_auto_budget_works_remotely_with_device_memory(remote: RematClient) -> None:

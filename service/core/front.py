@@ -38,7 +38,7 @@ from optiremat.service.core.outcome import (
 )
 from optiremat.service.core.runs import Executor, JobRecord, Position, in_thread, job_status
 from optiremat.service.core.tasks import BudgetRangeTask, SolveTask, Task
-from optiremat.solver.frontier import FrontierResult, mark_pareto, point_fields, spaced_budgets
+from optiremat.solver.frontier import FrontierResult, frontier_of, point_fields, spaced_budgets
 from optiremat.solver.graph import CostGraph
 from optiremat.solver.solution import InfeasibleBudgetError, Solution, SolveOptions
 from optiremat.solver.wire import (
@@ -244,7 +244,8 @@ class Front:
         low = high = None
         if budgets is None:
             assert count is not None
-            task = BudgetRangeTask(graph_hash=graph.content_hash, tie=options.tie)
+            task = BudgetRangeTask(graph_hash=graph.content_hash, tie=options.tie,
+                                   offload=options.offload)
             span = await asyncio.shield(self._flight(task, graph))
             if not isinstance(span, BudgetRange):
                 return span
@@ -261,9 +262,7 @@ class Front:
             else:
                 return outcome
             points.append(FrontierPoint(**point_fields(budget, result)))
-        mark_pareto(points)
-        return Frontier(graph_hash=graph.content_hash, options=options, min_feasible_budget=low,
-                        max_useful_budget=high, points=points)
+        return frontier_of(graph, options, points, low, high)
 
     # ---- jobs -----------------------------------------------------------------
 

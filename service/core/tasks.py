@@ -20,6 +20,7 @@ from typing import Annotated, Literal, Protocol
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter
 
 from optiremat.service.core.outcome import BudgetRange, Failed, Infeasible, Solved, TaskResult
+from optiremat.solver.offload import OffloadOptions
 from optiremat.solver.solution import SolveOptions
 from optiremat.solver.wire import Progress
 
@@ -73,6 +74,9 @@ class BudgetRangeTask(_Task):
 
     kind: Literal["budget_range"] = "budget_range"
     tie: bool
+    # With offload the smallest device budget may be lower (left out when unset, so
+    # a range asked without it keeps its key).
+    offload: OffloadOptions | None = Field(default=None, exclude_if=lambda v: v is None)
 
     @property
     def time_limit_s(self) -> float:
@@ -126,7 +130,8 @@ def _budget_range(task: BudgetRangeTask, graph_json: str) -> TaskResult:
     from optiremat.solver.solve import max_useful_budget, min_feasible_budget
 
     graph = CostGraph.model_validate_json(graph_json)
-    return BudgetRange(min_feasible_budget=int(min_feasible_budget(graph, tie=task.tie)),
+    return BudgetRange(min_feasible_budget=int(min_feasible_budget(graph, tie=task.tie,
+                                                                   offload=task.offload)),
                        max_useful_budget=int(max_useful_budget(graph)))
 
 

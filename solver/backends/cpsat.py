@@ -101,6 +101,7 @@ class CpSatBackend:
             }
         else:
             self._host = _weighted(x, formulation.offload.host_bytes)
+            self._exprs[Objective.HOST] = self._host
         self._model = model
         self._x = x
         self._last: list[int] | None = None  # previous phase's solution, for the hint

@@ -26,6 +26,7 @@ IncumbentCallback = Callable[[float, float], None]
 class Objective(StrEnum):
     COST = "cost"  # ``Formulation.cost``
     BYTES = "bytes"  # ``Formulation.budgeted_bytes``
+    HOST = "host"  # the offload layer's host bytes (CP-SAT only)
 
 
 class SearchOutcome(StrEnum):
