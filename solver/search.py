@@ -2,8 +2,10 @@
 
 A solve is lexicographic. Phase 1 minimises the plan's cost within the budget;
 phase 2 fixes the cost at that optimum and minimises the bytes the budget caps,
-so of all equally cheap plans the answer is the leanest one; ``canonical`` then
-drops saves that have no effect. The cost is recompute FLOPs, and the bytes
+so of all equally cheap plans the answer is the leanest one (with transfers that
+overlap compute, ``offload.PlanTime``, a third phase then takes the fewest host
+bytes, since a hidden transfer costs no time); ``canonical`` then drops saves
+that have no effect. The cost is recompute FLOPs, and the bytes
 residual bytes; with offload (the formulation's offload layer,
 ``optiremat.solver.formulation``) the cost is in FLOP-equivalents, recompute
 FLOPs plus transfers priced in FLOPs, and the bytes are those left on the
