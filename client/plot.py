@@ -175,13 +175,11 @@ def plot_function(fun: Callable, *args: Any, path: str | Path, points: int = DEF
     ``offload=OffloadOptions(...)`` the plans use all three levers and the plot is
     peak bytes against estimated step time."""
     from optiremat.client.extract import extract_graph
-    from optiremat.client.step import Step
-    from optiremat.client.step_graph import step_extraction
+    from optiremat.client.step_graph import extract_step
 
     if memory == "peak":
         # An offload plan may offload each layer's input: named for the policy.
-        graph = step_extraction(fun, args, Step.of(0), name=getattr(fun, "__qualname__", ""),
-                                name_inputs=options.get("offload") is not None).graph
+        graph = extract_step(fun, *args, name_inputs=options.get("offload") is not None)
         builtins = graph_builtin_points(graph)
     else:
         graph = extract_graph(fun, *args)

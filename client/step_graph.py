@@ -63,10 +63,13 @@ def step_extraction(fun: Callable, args: Sequence, step: Step, *, name: str = ""
 
 
 def extract_step(fun: Callable, *args, argnums: int | Sequence[int] = 0,
-                 donate_argnums: int | Sequence[int] = ()) -> CostGraph:
+                 donate_argnums: int | Sequence[int] = (), name_inputs: bool = False) -> CostGraph:
     """The cost graph of the training step ``jax.jit(jax.grad(fun, argnums))`` at
     ``args``: a remat region in every differentiated ``lax.scan``, and what the step
     holds (one compile per distinct layer measures its working set). Solving it
-    plans peak budgets; ``optiremat.optimize`` is this and a solve."""
+    plans peak budgets; ``optiremat.optimize`` is this and a solve. ``name_inputs``
+    names each layer's input inside its checkpoint, so that an offload plan may move
+    the stacked inputs to host memory (``client.placement.LAYER_INPUT``)."""
     name = getattr(fun, "__qualname__", getattr(fun, "__name__", ""))
-    return step_extraction(fun, args, Step.of(argnums, donate_argnums), name=name).graph
+    return step_extraction(fun, args, Step.of(argnums, donate_argnums), name=name,
+                           name_inputs=name_inputs).graph

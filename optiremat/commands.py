@@ -61,6 +61,10 @@ def add_commands(parser: argparse.ArgumentParser,
                               "residual bytes of one checkpoint")
     extract.add_argument("--argnums", type=int, nargs="+", default=[0], metavar="N",
                          help="the arguments the step differentiates (default: 0)")
+    extract.add_argument("--offload-inputs", action="store_true",
+                         help="name each layer's input in the step's graph, so that plans "
+                              "solved with --offload may keep the stacked inputs in host "
+                              "memory")
     extract.set_defaults(run=_reporting_errors(_extract))
 
     solve = commands.add_parser(
@@ -116,9 +120,32 @@ def _solver_options(parser: argparse.ArgumentParser) -> None:
                        help="stop within this relative gap of optimal (default: 0)")
     group.add_argument("--untied", action="store_true",
                        help="decide equations one by one (names form only; see docs/api.md)")
+    offload = parser.add_argument_group(
+        "offload", "keep residuals in host memory; on a step's graph the plan (and each "
+        "frontier point) is the best of recomputation per layer, nested groups and offload "
+        "in estimated seconds")
+    offload.add_argument("--offload", action="store_true",
+                         help="offload with the defaults below unless set")
+    offload.add_argument("--host-budget", metavar="SIZE",
+                         help="host memory for offloaded residuals (default: 64GiB)")
+    offload.add_argument("--host-bandwidth", type=_rate, metavar="BYTES/S",
+                         help="the link to host memory (default: 25e9)")
+    offload.add_argument("--flop-rate", type=_rate, metavar="FLOP/S",
+                         help="the device's compute rate (default: 4e14)")
     group.add_argument("--server", default=os.environ.get("OPTIREMAT_SERVER"), metavar="URL",
                        help="solve on this optiremat server (default: OPTIREMAT_SERVER, "
                             "else in-process)")
+
+
+def _rate(text: str) -> int:
+    """A positive whole rate, written plainly or as 25e9."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not value.is_integer() or value <= 0:
+        raise argparse.ArgumentTypeError(f"not a positive whole number: {text!r}")
+    return int(value)
 
 
 def _options(args: argparse.Namespace) -> dict[str, Any]:
@@ -127,6 +154,19 @@ def _options(args: argparse.Namespace) -> dict[str, Any]:
         options["time_limit_s"] = args.time_limit
     if args.gap is not None:
         options["relative_gap"] = args.gap
+    offload: dict[str, int] = {}
+    if args.host_budget is not None:
+        from optiremat.solver.units import parse_bytes
+
+        offload["host_budget_bytes"] = parse_bytes(args.host_budget)
+    if args.host_bandwidth is not None:
+        offload["host_bandwidth"] = args.host_bandwidth
+    if args.flop_rate is not None:
+        offload["device_flop_rate"] = args.flop_rate
+    if args.offload or offload:
+        from optiremat.solver.offload import OffloadOptions
+
+        options["offload"] = OffloadOptions(**offload)
     return options
 
 
@@ -174,7 +214,11 @@ def _extract(args: argparse.Namespace) -> int:
 
     fun, fun_args = load_target(args.target, args.args)
     if args.memory == "peak":
-        graph = extract_step(fun, *fun_args, argnums=tuple(args.argnums))
+        graph = extract_step(fun, *fun_args, argnums=tuple(args.argnums),
+                             name_inputs=args.offload_inputs)
+    elif args.offload_inputs:
+        raise ValueError("--offload-inputs names the layer inputs of a step's graph: "
+                         "leave out --memory residuals")
     else:
         graph = extract_graph(fun, *fun_args)
     out = Path(args.out or f"{args.target.rpartition(':')[2]}.graph.json")
@@ -201,9 +245,15 @@ def _solve(args: argparse.Namespace) -> int:
     PlanFile(graph=graph, solution=solution).write(out)
     held = (f"a peak of {format_bytes(solution.peak_bytes)}" if solution.peak_bytes is not None
             else f"{format_bytes(solution.residual_bytes)} of residuals")
+    levers = ""
+    if solution.groups is not None:
+        levers += f", layers in groups {solution.groups}"
+    if solution.offload is not None:
+        levers += (f", {format_bytes(solution.offload.host_bytes)} offloaded to host memory, "
+                   f"{solution.offload.estimated_seconds * 1e3:.4f} ms added (estimated)")
     print(f"{solution.status}: {held} within {format_bytes(budget)}, "
-          f"{solution.recompute_flops:,} recompute FLOPs (bound {solution.lower_bound_flops:,}); "
-          f"wrote {out}")
+          f"{solution.recompute_flops:,} recompute FLOPs (bound {solution.lower_bound_flops:,})"
+          f"{levers}; wrote {out}")
     return 0
 
 
@@ -230,12 +280,25 @@ def _frontier(args: argparse.Namespace) -> int:
                        also=[p.memory_bytes for p in builtins.values()], **_options(args))
 
     peak = any(p.peak_bytes is not None for p in result.points)
-    print(f"{'budget':>12} {'peak' if peak else 'residuals':>12} {'recompute FLOPs':>16}  status")
+    timed = result.step_seconds is not None
+    print(f"{'budget':>12} {'peak' if peak else 'residuals':>12} {'recompute FLOPs':>16}  "
+          + (f"{'added ms':>9} {'host':>10}  lever, " if timed else "") + "status")
     for p in result.points:
         held = "-" if p.memory_bytes is None else format_bytes(p.memory_bytes)
         flops = "-" if p.recompute_flops is None else f"{p.recompute_flops:,}"
         mark = "" if p.pareto else "  (dominated)" if p.memory_bytes is not None else ""
-        print(f"{format_bytes(p.budget_bytes):>12} {held:>12} {flops:>16}  {p.status}{mark}")
+        levers = ""
+        if timed and p.estimated_seconds is not None:
+            lever = (f"nested {p.groups}" if p.groups else
+                     "offload" if p.host_bytes else "per layer")
+            levers = (f"{p.estimated_seconds * 1e3:9.4f} {format_bytes(p.host_bytes or 0):>10}"
+                      f"  {lever}, ")
+        elif timed:
+            levers = f"{'-':>9} {'-':>10}  "
+        print(f"{format_bytes(p.budget_bytes):>12} {held:>12} {flops:>16}  {levers}"
+              f"{p.status}{mark}")
+    if timed:
+        print(f"the step itself: {(result.step_seconds or 0) * 1e3:.4f} ms (estimated)")
     print("JAX built-in policies:")
     for name, point in builtins.items():
         print(f"{name:>34} {format_bytes(point.memory_bytes):>12} "

@@ -117,11 +117,10 @@ def choose_groups(graph: CostGraph, budget: int, options: SolveOptions,
         gap = (cost - bound) / cost if cost else 0.0
         status = SolveStatus.OPTIMAL if bound >= cost else SolveStatus.FEASIBLE
         update: dict[str, object] = {"gap": gap, "status": status}
-        if best.offload is None:
+        if options.offload is None or best.offload is None:
             update["lower_bound_flops"] = int(bound)
-        else:
-            rate = best.options.offload.device_flop_rate if best.options.offload else 1
-            update["lower_bound_flops"] = math.floor(bound * rate)
+        else:  # the bound is in seconds: lower_bound_flops in FLOP-equivalents
+            update["lower_bound_flops"] = math.floor(bound * options.offload.device_flop_rate)
             update["offload"] = best.offload.model_copy(update={"lower_bound_seconds": bound})
         best = best.model_copy(update=update)
     return best

@@ -379,31 +379,33 @@ class Search:
             bytes_cap=self.f.budgeted_bytes.cap(budget),
             cost_cap=self.f.cost.cap(plan.cost),
         )
-        backend = self._backend(kind)
-        raw = self._run(kind, goal, work_limit=max(backend.min_work, PHASE2_WORK * phase1_work))
-        if raw.outcome != SearchOutcome.OPTIMAL or raw.decisions is None:
-            return plan
-        lean = self._plan(raw.decisions, raw.offloads)
-        better = (lean.cost, lean.device_bytes) <= (plan.cost, plan.device_bytes)
-        lean = lean if better and lean.device_bytes <= budget else plan
-        if self.f.offload is not None and self.f.offload.integers and lean.host_bytes:
-            lean = self._least_host(kind, lean, phase1_work)
-        return lean
+        lean = self._tie_break(kind, goal, phase1_work)
+        if lean is not None:
+            better = (lean.cost, lean.device_bytes) <= (plan.cost, plan.device_bytes)
+            plan = lean if better and lean.device_bytes <= budget else plan
+        if self.f.offload is not None and self.f.offload.integers and plan.host_bytes:
+            plan = self._least_host(kind, plan, phase1_work)
+        return plan
 
     def _least_host(self, kind: Backend, plan: _Plan, phase1_work: float) -> _Plan:
         """Phase 3, with overlapped transfers: the fewest host bytes among plans as cheap
         and as lean as ``plan``. A transfer the compute hides costs nothing, so without
         it a plan could offload bytes that lower neither its time nor its peak."""
-        assert self.f.offload is not None
         goal = Goal(Objective.HOST, bytes_cap=self.f.budgeted_bytes.cap(plan.device_bytes),
                     cost_cap=self.f.cost.cap(plan.cost))
+        fewer = self._tie_break(kind, goal, phase1_work)
+        if fewer is None:
+            return plan
+        same = (fewer.cost, fewer.device_bytes) <= (plan.cost, plan.device_bytes)
+        return fewer if same and fewer.host_bytes < plan.host_bytes else plan
+
+    def _tie_break(self, kind: Backend, goal: Goal, phase1_work: float) -> _Plan | None:
+        """A later phase's plan, when proven within effort capped relative to phase 1's."""
         backend = self._backend(kind)
         raw = self._run(kind, goal, work_limit=max(backend.min_work, PHASE2_WORK * phase1_work))
         if raw.outcome != SearchOutcome.OPTIMAL or raw.decisions is None:
-            return plan
-        fewer = self._plan(raw.decisions, raw.offloads)
-        same = (fewer.cost, fewer.device_bytes) <= (plan.cost, plan.device_bytes)
-        return fewer if same and fewer.host_bytes < plan.host_bytes else plan
+            return None
+        return self._plan(raw.decisions, raw.offloads)
 
     # ---- helpers ----------------------------------------------------------
 

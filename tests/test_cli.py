@@ -18,6 +18,7 @@ from optiremat.client.measure import residual_bytes
 from optiremat.client.planfile import load_plan
 from optiremat.client.target import load_target
 from optiremat.solver.graph import CostGraph
+from optiremat.solver.offload import OffloadOptions
 from optiremat.solver.solve import max_useful_budget, min_feasible_budget, solve
 from tests.service_harness import REPO, Server, running_server
 
@@ -89,6 +90,33 @@ def test_a_step_graph_plans_the_peak_from_extract_to_explain(
     assert main(["explain", str(plan_path)]) == 0
     text = capsys.readouterr().out
     assert "peak of the training step" in text and "per layer x 16 layers" in text
+
+
+def test_offload_on_the_command_line_weighs_every_lever(
+        workdir: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    graph_path, plan_path = workdir / "levers.graph.json", workdir / "levers.plan.json"
+    assert main(["extract", f"{REPO / 'examples' / 'scan_jax.py'}:loss", "-o",
+                 str(graph_path), "--offload-inputs"]) == 0
+    graph = CostGraph.model_validate_json(graph_path.read_bytes())
+    assert "name" in graph.node_primitive  # each layer's input, named for the policy
+    link = ["--offload", "--host-bandwidth", "1e12"]
+    capsys.readouterr()
+    assert main(["frontier", str(graph_path), "--points", "4", *link]) == 0
+    text = capsys.readouterr().out
+    assert "added ms" in text and "the step itself" in text and "offload, optimal" in text
+
+    floor = min_feasible_budget(graph, offload=OffloadOptions(host_bandwidth=10**12))
+    assert floor < min_feasible_budget(graph)
+    assert main(["solve", str(graph_path), "--budget", str(floor), "-o", str(plan_path),
+                 *link]) == 0
+    assert "offloaded to host memory" in capsys.readouterr().out
+    solution = load_plan(plan_path).solution
+    assert solution.offload is not None and solution.offload.host_bytes > 0
+    assert solution.options.offload == OffloadOptions(host_bandwidth=10**12)
+
+    with pytest.raises(SystemExit):
+        main(["solve", str(graph_path), "--budget", "1MiB", "--host-bandwidth", "fast"])
+    assert "not a positive whole number: 'fast'" in capsys.readouterr().err
 
 
 def test_solve_writes_a_plan_whose_policy_jax_honours(
