@@ -2,6 +2,8 @@
 
     .venv/bin/python bench/peak.py            # the whole corpus, 16 points each (~10 min)
     .venv/bin/python bench/peak.py --quick    # 6 points on three models
+    .venv/bin/python bench/peak.py --offload-only   # offload and levers (on a GPU:
+                                                    # the measured device peak too)
 
 For every model of the scan corpus (``tests/peak_models.py``) it prints:
 
@@ -169,7 +171,7 @@ def offload() -> None:
             smallest = err.min_budget_bytes
         plan = optimize(fun, *args, budget=smallest, offload=options)
         sol = plan.solution
-        assert sol.offload is not None
+        assert sol.offload is not None and graph.step is not None
         summed = options.seconds(options.cost_flops(sol.recompute_flops, sol.offload.host_bytes))
         print(f"{name}: without offload {format_bytes(without)} (held "
               f"{format_bytes(graph.step.held_bytes)}, working set "
@@ -179,12 +181,28 @@ def offload() -> None:
               f"({len(plan.offloaded_keys)} keys offloaded, the layer input among them); "
               f"estimated {sol.offload.estimated_seconds * 1e3:.3f} ms added with transfers "
               f"overlapping the layers' compute, {summed * 1e3:.3f} ms if nothing overlapped")
+        print("  measured: " + measured_offload(fun, args, plan))
+
+
+def measured_offload(fun, args, plan) -> str:
+    """The offload plan's compiled step as XLA counts it: device peak and host temp bytes.
+    Only a backend that places pinned_host buffers apart (GPU, TPU) can say; XLA's CPU
+    memory analysis counts them as device bytes."""
+    if jax.default_backend() == "cpu":
+        return ("not here: XLA's CPU memory analysis counts pinned_host buffers as device "
+                "ones (run this bench on a GPU or TPU)")
+    compiled = Step.of(0).function(plan.apply(fun)).lower(*args).compile()
+    device = measured_peak(compiled)
+    host = compiled.memory_analysis().host_temp_size_in_bytes
+    return (f"device peak {format_bytes(device)} against {format_bytes(plan.peak_bytes)} "
+            f"predicted ({(plan.peak_bytes - device) / device:+.1%}); host temp "
+            f"{format_bytes(host)} against {format_bytes(plan.host_bytes)} offloaded")
 
 
 def levers(plot: Path | None) -> None:
     """One frontier over recomputation per layer, nested groups and offload: each
     point the lever that adds the fewest estimated seconds at its budget."""
-    from optiremat.client.frontier import graph_builtin_points, sweep
+    from optiremat.client.frontier import graph_builtin_points, lever_floors, sweep
     from optiremat.client.plot import plot_frontier
     from optiremat.solver.offload import OffloadOptions
 
@@ -194,12 +212,18 @@ def levers(plot: Path | None) -> None:
     for slug, (name, (fun, args), bandwidth) in cases.items():
         graph = step_extraction(fun, args, Step.of(0), name_inputs=True).graph
         options = OffloadOptions(host_bandwidth=bandwidth)
+        builtins = graph_builtin_points(graph)
         started = time.perf_counter()
-        front = sweep(graph, count=10, offload=options)
+        # Solved at each built-in's peak too (the plan there is the fair comparison), and
+        # where nested groups and recomputation per layer start to fit.
+        also = [p.memory_bytes for p in builtins.values()] + lever_floors(graph, offload=options)
+        front = sweep(graph, count=10, also=also, offload=options)
         took = time.perf_counter() - started
         assert front.step_seconds is not None
         print(f"\n## one frontier over the three levers: {name}, link {bandwidth / 1e9:g} GB/s "
-              f"(10 points in {took:.1f} s; the step itself {front.step_seconds * 1e6:.1f} us)")
+              f"({len(front.points)} points in {took:.1f} s: 10 spaced, one at each built-in's "
+              f"peak and each lever's smallest; the step itself "
+              f"{front.step_seconds * 1e6:.1f} us)")
         print(f"{'budget':>12} {'peak':>12} {'added us':>9} {'host':>10}  lever")
         for p in front.plans:
             lever = (f"nested, {p.groups} groups" if p.groups else
@@ -207,9 +231,13 @@ def levers(plot: Path | None) -> None:
             print(f"{format_bytes(p.budget_bytes):>12} {format_bytes(p.memory_bytes):>12} "
                   f"{(p.estimated_seconds or 0) * 1e6:9.3f} {format_bytes(p.host_bytes or 0):>10}"
                   f"  {lever}{'' if p.pareto else ' (not Pareto)'}")
+        for policy, point in builtins.items():
+            print(f"{format_bytes(point.memory_bytes):>25} "
+                  f"{point.recompute_flops / options.device_flop_rate * 1e6:9.3f}"
+                  f"{'':>12}jax: {policy} per layer")
         if plot is not None:
             path = plot.with_name(f"{plot.stem}_{slug}{plot.suffix}")
-            plot_frontier(front, path, builtins=graph_builtin_points(graph), title=name)
+            plot_frontier(front, path, builtins=builtins, title=name)
             print(f"plot: {path}")
 
 
@@ -251,7 +279,13 @@ def main() -> None:
     parser.add_argument("--no-8b", action="store_true", help="skip the 8B planning time")
     parser.add_argument("--plot", type=Path, help="write the lever frontiers' plots here "
                         "(one per model, the name suffixed)")
+    parser.add_argument("--offload-only", action="store_true",
+                        help="only the offload and lever sections (the device check)")
     opts = parser.parse_args()
+    if opts.offload_only:
+        offload()
+        levers(opts.plot)
+        return
     models = [m for m in CORPUS if m.name in ("llama_f32_L8", "vit_L12", "mlp_L32")] \
         if opts.quick else CORPUS
     results = [frontier(m, 6 if opts.quick else 16) for m in models]

@@ -33,6 +33,7 @@ __all__ = [
     "PolicyPoint",
     "builtin_points",
     "graph_builtin_points",
+    "lever_floors",
     "mark_pareto",
     "spaced_budgets",
     "sweep",
@@ -62,6 +63,17 @@ def sweep(graph: CostGraph, budgets: Sequence[int] | None = None,
     results = solve_budgets(graph, budgets, resolved)
     points = [FrontierPoint(**point_fields(budget, result)) for budget, result in results.items()]
     return frontier_of(graph, resolved, points, low, high)
+
+
+def lever_floors(graph: CostGraph, **options: object) -> list[int]:
+    """With offload options on a step's graph, the smallest budget of each lever
+    without offload (nested groups; recomputation per layer): where each starts to
+    fit, so that a sweep over the three levers (``also=``) shows every lever."""
+    resolved = resolve_options(None, dict(options))
+    if resolved.offload is None or graph.step is None:
+        return []
+    return sorted({min_feasible_budget(graph, resolved.tie, resolved.memory, nest)
+                   for nest in (True, False)})
 
 
 # ---- JAX's built-in policies ---------------------------------------------------

@@ -23,6 +23,7 @@ from optiremat.client.frontier import (
     PolicyPoint,
     builtin_points,
     graph_builtin_points,
+    lever_floors,
     sweep,
 )
 from optiremat.solver.baselines import BUILTIN_POLICIES
@@ -184,8 +185,9 @@ def plot_function(fun: Callable, *args: Any, path: str | Path, points: int = DEF
     else:
         graph = extract_graph(fun, *args)
         builtins = builtin_points(fun, *args)
-    # Solve at each built-in's bytes too: the plan there is the fair comparison.
-    swept = sweep(graph, count=points, also=[p.memory_bytes for p in builtins.values()],
-                  **options)
+    # Solve at each built-in's bytes too: the plan there is the fair comparison; and
+    # where each lever starts to fit.
+    also = [p.memory_bytes for p in builtins.values()] + lever_floors(graph, **options)
+    swept = sweep(graph, count=points, also=also, **options)
     title = getattr(fun, "__qualname__", "") or graph.name
     return plot_frontier(swept, path, builtins=builtins, title=title)

@@ -258,7 +258,12 @@ def _solve(args: argparse.Namespace) -> int:
 
 
 def _frontier(args: argparse.Namespace) -> int:
-    from optiremat.client.frontier import builtin_points, graph_builtin_points, sweep
+    from optiremat.client.frontier import (
+        builtin_points,
+        graph_builtin_points,
+        lever_floors,
+        sweep,
+    )
 
     if Path(args.source).is_file() or args.source.endswith(".json"):
         graph = _read_graph(args.source)
@@ -276,8 +281,8 @@ def _frontier(args: argparse.Namespace) -> int:
         with _remote(args) as remote:
             result = remote.frontier(graph, count=args.points, **_options(args))
     else:
-        result = sweep(graph, count=args.points,
-                       also=[p.memory_bytes for p in builtins.values()], **_options(args))
+        also = [p.memory_bytes for p in builtins.values()] + lever_floors(graph, **_options(args))
+        result = sweep(graph, count=args.points, also=also, **_options(args))
 
     peak = any(p.peak_bytes is not None for p in result.points)
     timed = result.step_seconds is not None

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 import optiremat
-from optiremat.client.frontier import graph_builtin_points, sweep
+from optiremat.client.frontier import graph_builtin_points, lever_floors, sweep
 from optiremat.client.plot import plot_frontier
 from optiremat.client.step import Step
 from optiremat.client.step_graph import step_extraction
@@ -63,7 +63,12 @@ def test_a_plan_is_the_lever_that_adds_the_fewest_seconds(stack):
 
 
 def test_the_frontier_over_every_lever_is_peak_against_seconds(stack, tmp_path: Path):
-    frontier = sweep(stack, count=8, offload=LINK)
+    floors = lever_floors(stack, offload=LINK)
+    assert floors == [min_feasible_budget(stack), min_feasible_budget(stack, nest=False)]
+    assert lever_floors(stack) == []  # without offload the sweep starts at the smallest anyway
+    frontier = sweep(stack, count=8, also=floors, offload=LINK)
+    at_floor = [p for p in frontier.points if p.budget_bytes == floors[0]]
+    assert at_floor and at_floor[0].groups  # where nesting starts to fit, it is the plan
     assert frontier.min_feasible_budget == min_feasible_budget(stack, offload=LINK)
     assert frontier.step_seconds is not None and frontier.step_seconds > 0
     plans = frontier.plans
