@@ -10,9 +10,11 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from optiremat.solver.baselines import BUILTIN_POLICIES, policy_saves
 from optiremat.solver.frontier import (
+    FrontierResult,
     frontier_of,
     mark_pareto,
     point_fields,
@@ -22,9 +24,13 @@ from optiremat.solver.frontier import (
 from optiremat.solver.graph import CostGraph
 from optiremat.solver.peak import BudgetView
 from optiremat.solver.semantics import baseline_backward_flops, evaluate
-from optiremat.solver.solve import max_useful_budget, min_feasible_budget, resolve_options
+from optiremat.solver.solution import InfeasibleBudgetError, SolveOptions
+from optiremat.solver.solve import max_useful_budget, min_feasible_budget, resolve_options, solve
 from optiremat.solver.step import Memory
 from optiremat.solver.wire import DEFAULT_FRONTIER_POINTS, Frontier, FrontierPoint
+
+if TYPE_CHECKING:
+    from optiremat.client.placement import Region
 
 __all__ = [
     "DEFAULT_POINTS",
@@ -44,13 +50,19 @@ DEFAULT_POINTS = DEFAULT_FRONTIER_POINTS
 
 def sweep(graph: CostGraph, budgets: Sequence[int] | None = None,
              count: int | None = DEFAULT_POINTS, *, also: Sequence[int] = (),
-             **options: object) -> Frontier:
+             regions: Sequence[Region] | None = None, **options: object) -> Frontier:
     """Solve ``graph`` once per budget: explicit ``budgets``, or ``count`` spaced ones
     from the smallest feasible budget to the largest useful one (plus the feasible
     ones in ``also``). Each solve starts from the previous budget's plan
     (``optiremat.solver.frontier.solve_budgets``). With ``offload=OffloadOptions(...)``
     on a step's graph each point is the best of recomputation per layer, nested
-    groups and offload, and the frontier is peak bytes against estimated seconds."""
+    groups and offload, and the frontier is peak bytes against estimated seconds.
+
+    With a step's ``regions`` (``step_extraction(...).regions``, when the function is
+    at hand) each plan without offload is refined against its own working set, as
+    ``optimize`` refines it (``client.refine``): one compile of one layer per policy,
+    and peaks as XLA measures them rather than as the calibrated working set prices
+    them (off by up to a fifth on the scan corpus)."""
     resolved = resolve_options(None, dict(options))
     low = high = None
     if budgets is None:
@@ -60,9 +72,29 @@ def sweep(graph: CostGraph, budgets: Sequence[int] | None = None,
                                   resolved.offload)
         high = max_useful_budget(graph, resolved.memory)
         budgets = spaced_budgets(low, high, count) + [b for b in also if low <= b <= high]
-    results = solve_budgets(graph, budgets, resolved)
+    if regions is not None and resolved.offload is None and graph.step is not None:
+        results = _refined(graph, regions, budgets, resolved)
+    else:
+        results = solve_budgets(graph, budgets, resolved)
     points = [FrontierPoint(**point_fields(budget, result)) for budget, result in results.items()]
     return frontier_of(graph, resolved, points, low, high)
+
+
+def _refined(graph: CostGraph, regions: Sequence[Region], budgets: Sequence[int],
+             options: SolveOptions) -> dict[int, FrontierResult]:
+    """Each budget's plan refined against its own working set (measurements are shared
+    between budgets); a budget no refined plan fits is infeasible, naming the smallest
+    measured peak."""
+    from optiremat.client.refine import refined_solve
+
+    results: dict[int, FrontierResult] = {}
+    for budget in sorted(set(budgets)):
+        try:
+            results[budget] = refined_solve(graph, regions, budget,
+                                            lambda b: solve(graph, b, options))
+        except InfeasibleBudgetError as err:
+            results[budget] = err
+    return results
 
 
 def lever_floors(graph: CostGraph, **options: object) -> list[int]:
@@ -111,10 +143,12 @@ def builtin_points(fun: Callable, *args: object) -> dict[str, PolicyPoint]:
     return points
 
 
-def graph_builtin_points(graph: CostGraph) -> dict[str, PolicyPoint]:
-    """JAX's built-in policies as the graph alone prices them (no function to measure):
-    the equations each saves of those it is offered; on a step's graph, applied in every
-    region (a checkpoint per layer), with their predicted peaks."""
+def graph_builtin_points(graph: CostGraph,
+                         regions: Sequence[Region] | None = None) -> dict[str, PolicyPoint]:
+    """JAX's built-in policies as the graph prices them: the equations each saves of
+    those it is offered; on a step's graph, applied in every region (a checkpoint per
+    layer), with their predicted peaks, each with its own working set measured where
+    the step's ``regions`` are given (``client.refine.working_set_delta``)."""
     base = baseline_backward_flops(graph)
     view = BudgetView.of(graph, None)
     points = {}
@@ -122,5 +156,10 @@ def graph_builtin_points(graph: CostGraph) -> dict[str, PolicyPoint]:
         offered = [s and bool(key) for s, key in zip(saves, graph.node_key, strict=True)]
         ev = evaluate(graph, offered)
         peak = view.predicted(offered) if view.memory == Memory.PEAK else None
+        if peak is not None and regions is not None:
+            from optiremat.client.refine import working_set_delta
+
+            keys = frozenset(k for k, s in zip(graph.node_key, offered, strict=True) if s)
+            peak += working_set_delta(graph, regions, offered, keys)
         points[name] = PolicyPoint(ev.residual_bytes, ev.backward_flops - base, peak)
     return points

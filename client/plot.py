@@ -170,24 +170,31 @@ def _si(x: float) -> str:
 def plot_function(fun: Callable, *args: Any, path: str | Path, points: int = DEFAULT_POINTS,
                   memory: str = "peak", **options: Any) -> Path:
     """Extract ``fun``, sweep ``points`` budgets locally, price the built-ins, and plot:
-    peaks of the training step by default (the built-ins applied per layer, as the
-    model predicts them), or with ``memory="residuals"`` the residuals of one
-    checkpoint around ``fun`` (the built-ins measured by ``saved_residuals``). With
+    peaks of the training step by default (plans and the built-ins applied per layer
+    with their own working sets measured, ``client.refine``), or with
+    ``memory="residuals"`` the residuals of one checkpoint around ``fun`` (the
+    built-ins measured by ``saved_residuals``). With
     ``offload=OffloadOptions(...)`` the plans use all three levers and the plot is
     peak bytes against estimated step time."""
     from optiremat.client.extract import extract_graph
-    from optiremat.client.step_graph import extract_step
+    from optiremat.client.step import Step
+    from optiremat.client.step_graph import step_extraction
 
+    regions = None
     if memory == "peak":
         # An offload plan may offload each layer's input: named for the policy.
-        graph = extract_step(fun, *args, name_inputs=options.get("offload") is not None)
-        builtins = graph_builtin_points(graph)
+        extracted = step_extraction(fun, args, Step.of(0),
+                                    name=getattr(fun, "__qualname__", ""),
+                                    name_inputs=options.get("offload") is not None)
+        graph, regions = extracted.graph, extracted.regions
+        builtins = graph_builtin_points(graph, regions)
     else:
         graph = extract_graph(fun, *args)
         builtins = builtin_points(fun, *args)
     # Solve at each built-in's bytes too: the plan there is the fair comparison; and
-    # where each lever starts to fit.
+    # where each lever starts to fit. Peak plans are refined against their own
+    # working sets, as optimize refines them.
     also = [p.memory_bytes for p in builtins.values()] + lever_floors(graph, **options)
-    swept = sweep(graph, count=points, also=also, **options)
+    swept = sweep(graph, count=points, also=also, regions=regions, **options)
     title = getattr(fun, "__qualname__", "") or graph.name
     return plot_frontier(swept, path, builtins=builtins, title=title)

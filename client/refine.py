@@ -49,6 +49,17 @@ def plan_working_bytes(regions: Sequence[Region], saved_keys: frozenset[str]) ->
     return max((working_bytes(r, saved_keys) for r in regions), default=0)
 
 
+def working_set_delta(graph: CostGraph, regions: Sequence[Region], saves: Sequence[bool],
+                      keys: frozenset[str], groups: Sequence[int] | None = None) -> int:
+    """What the peak of the plan saving ``saves`` (the policy keys ``keys``) is beyond
+    the solver's price: its own working set for the assumed one, and, where the graph
+    prices XLA's f32 copies of stacked half-float residuals (``value_extra_bytes``,
+    fitted on CPU), the copies its working set measured instead."""
+    assert graph.step is not None
+    priced_extra = priced_extra_bytes(graph, saves, groups)
+    return plan_working_bytes(regions, keys) - graph.step.working_bytes - priced_extra
+
+
 def refined_solve(graph: CostGraph, regions: Sequence[Region], budget: int,
                   solve_at: SolveAt) -> Solution:
     """The plan for ``budget`` whose peak, with its own working set measured, fits.
@@ -178,12 +189,7 @@ class _Refinement:
 
     def _delta(self, saves: Sequence[bool], keys: frozenset[str],
                groups: Sequence[int] | None) -> int:
-        """What the plan's peak is beyond the solver's price: its own working set for the
-        assumed one, and, where the graph prices XLA's f32 copies of stacked half-float
-        residuals (``value_extra_bytes``, fitted on CPU), the copies its working set
-        measured instead."""
-        priced_extra = priced_extra_bytes(self.graph, saves, groups)
-        return plan_working_bytes(self.regions, keys) - self.assumed - priced_extra
+        return working_set_delta(self.graph, self.regions, saves, keys, groups)
 
     def _fits(self, answer: Solution) -> bool:
         assert answer.peak_bytes is not None

@@ -285,3 +285,33 @@ def test_the_builtins_per_layer_are_priced_within_ten_percent_of_xla() -> None:
         measured = measured_peak(STEP.function(_applied(fun, extracted, keys))
                                  .lower(*args).compile())
         assert abs(points[name].peak_bytes - measured) <= 0.10 * measured, name
+
+
+def test_a_sweep_with_the_steps_regions_predicts_xlas_peaks() -> None:
+    """With the function at hand (plot_function), a sweep refines each plan and each
+    built-in against its own working set: the 4-layer f32 Llama, whose calibrated
+    working set runs up to a fifth high along its frontier, then lands within 0.5%."""
+    from optiremat.client.frontier import graph_builtin_points, sweep
+
+    _, fun, args, extracted = _corpus_model("llama_f32_L4")
+    g = extracted.graph
+    low, high = min_feasible_budget(g), max_useful_budget(g)
+    frontier = sweep(g, [low + (high - low) // 4, low + (high - low) // 2],
+                     regions=extracted.regions)
+    plans = frontier.plans
+    assert len(plans) == 2 and all(p.memory_bytes <= p.budget_bytes for p in plans)
+    for point in plans:
+        budget = point.budget_bytes
+        plan = refined_solve(g, extracted.regions, budget, lambda b: solve(g, b))
+        assert (plan.peak_bytes, plan.recompute_flops) == (point.peak_bytes,
+                                                           point.recompute_flops)
+        measured = measured_peak(STEP.function(
+            _applied(fun, extracted, frozenset(plan.saved_keys), plan.groups)).lower(*args)
+            .compile())
+        assert measured <= point.peak_bytes <= 1.005 * measured
+    for name, point in graph_builtin_points(g, extracted.regions).items():
+        saves = policy_saves(g)[name]
+        keys = frozenset(k for k, s in zip(g.node_key, saves, strict=True) if s and k)
+        measured = measured_peak(STEP.function(_applied(fun, extracted, keys))
+                                 .lower(*args).compile())
+        assert measured <= point.peak_bytes <= 1.005 * measured, name
