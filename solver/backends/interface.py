@@ -1,8 +1,9 @@
 """The interface every MILP backend implements.
 
-A backend is built once per formulation and then asked to minimise one of the
-two sums (the cost, recompute FLOPs or with offload FLOP-equivalents, or the
-bytes a budget caps) under caps on either, in the formulation's scaled units.
+A backend is built once per formulation and then asked to minimise one of its
+sums (the cost, recompute FLOPs or with offload FLOP-equivalents; the bytes a
+budget caps; with offload, host bytes) under caps on the first two, in the
+formulation's scaled units.
 Several phases of one solve reuse the model and warm-start from the previous
 phase's solution. Backends only search; turning their answer into an exact
 plan is ``solver.search``'s job. Only CP-SAT takes a formulation's offload layer.
