@@ -358,6 +358,12 @@ class Plan:
 
         residuals = saved_residuals(of_differentiated, *[args[i] for i in chosen])
         measured_peak_bytes = None
+        if peak and self.host_bytes and jax.default_backend() == "cpu":
+            # Its device peak would read as met or missed by bytes that are on the host.
+            raise PlanError("the device peak of a plan that offloads cannot be measured on "
+                            "CPU: XLA's CPU memory analysis counts pinned_host buffers as "
+                            "device ones. Verify it on a GPU or TPU, or check its residuals "
+                            "and host bytes here with peak=False")
         if peak:
             measured_peak_bytes = measured_peak(step.function(applied).lower(*args).compile())
         return Verification(self.residual_bytes, sum(r.bytes for r in residuals if not r.host),

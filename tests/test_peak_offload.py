@@ -74,6 +74,18 @@ def test_offload_lowers_the_smallest_device_peak_and_keeps_the_gradients():
     np.testing.assert_allclose(got, want, rtol=2e-5, atol=1e-6)
 
 
+def test_verify_checks_an_offload_plan_by_jax_and_refuses_a_cpu_device_peak():
+    fun, args = residual_stack(layers=4)
+    plan = smallest_offload_plan(fun, args)
+    check = plan.verify(fun, *args)
+    assert check.exact and check.measured_host_bytes == plan.host_bytes > 0
+    if jax.default_backend() == "cpu":
+        with pytest.raises(PlanError, match="cannot be measured on CPU"):
+            plan.verify(fun, *args, peak=True)
+    else:  # a backend that keeps pinned_host apart measures the device peak
+        assert plan.verify(fun, *args, peak=True).measured_peak_bytes
+
+
 def test_a_zero_host_budget_is_the_plan_without_offload():
     fun, args = residual_stack(layers=4)
     without = min_feasible_budget(step_extraction(fun, args, Step.of(0)).graph, nest=False)
