@@ -226,8 +226,7 @@ def levers(plot: Path | None) -> None:
               f"{front.step_seconds * 1e6:.1f} us)")
         print(f"{'budget':>12} {'peak':>12} {'added us':>9} {'host':>10}  lever")
         for p in front.plans:
-            lever = (f"nested, {p.groups} groups" if p.groups else
-                     "offload" if p.host_bytes else "recompute per layer")
+            lever = p.lever + (f" {p.groups}" if p.lever == "nested groups" else "")
             print(f"{format_bytes(p.budget_bytes):>12} {format_bytes(p.memory_bytes):>12} "
                   f"{(p.estimated_seconds or 0) * 1e6:9.3f} {format_bytes(p.host_bytes or 0):>10}"
                   f"  {lever}{'' if p.pareto else ' (not Pareto)'}")

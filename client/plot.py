@@ -65,12 +65,12 @@ def plot_frontier(frontier: Frontier, path: str | Path, *,
         pareto = [p for p in plans if p.pareto]
         if timed:
             for lever, (marker, color) in _LEVERS.items():
-                these = [p for p in pareto if _lever(p) == lever]
+                these = [p for p in pareto if p.lever == lever]
                 if these:
                     ax.plot([(p.memory_bytes or 0) / scale for p in these],
                             [cost(p) for p in these], marker, color=color, markersize=6,
                             linestyle="none", label=f"plans: {lever}")
-            nested = [p for p in plans if _lever(p) == "nested groups"]
+            nested = [p for p in plans if p.lever == "nested groups"]
             if nested:
                 best = min(nested, key=lambda p: (p.memory_bytes or 0, cost(p)))
                 ax.annotate(f"best nested form: {_groups(best)}",
@@ -106,17 +106,9 @@ def plot_frontier(frontier: Frontier, path: str | Path, *,
     return path
 
 
-# How a plan lowers its peak, by marker and colour.
+# How a plan lowers its peak (``FrontierPoint.lever``), by marker and colour.
 _LEVERS = {"recompute per layer": ("o", "tab:blue"), "nested groups": ("s", "tab:green"),
            "offload": ("^", "tab:purple")}
-
-
-def _lever(p: FrontierPoint) -> str:
-    if p.host_bytes:
-        return "offload"
-    if p.groups and any(k != 1 for k in p.groups):
-        return "nested groups"
-    return "recompute per layer"
 
 
 def _groups(p: FrontierPoint) -> str:

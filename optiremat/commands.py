@@ -294,8 +294,7 @@ def _frontier(args: argparse.Namespace) -> int:
         mark = "" if p.pareto else "  (dominated)" if p.memory_bytes is not None else ""
         levers = ""
         if timed and p.estimated_seconds is not None:
-            lever = (f"nested {p.groups}" if p.groups else
-                     "offload" if p.host_bytes else "per layer")
+            lever = p.lever + (f" {p.groups}" if p.lever == "nested groups" else "")
             levers = (f"{p.estimated_seconds * 1e3:9.4f} {format_bytes(p.host_bytes or 0):>10}"
                       f"  {lever}, ")
         elif timed:

@@ -175,6 +175,15 @@ class FrontierPoint(BaseModel):
         """What the budget counts: the predicted peak, or the residual bytes."""
         return self.peak_bytes if self.peak_bytes is not None else self.residual_bytes
 
+    @property
+    def lever(self) -> str:
+        """How the plan lowers its peak: "offload", "nested groups" or "recompute per layer"."""
+        if self.host_bytes:
+            return "offload"
+        if self.groups and any(k != 1 for k in self.groups):
+            return "nested groups"
+        return "recompute per layer"
+
 
 class Frontier(BaseModel):
     model_config = ConfigDict(extra="ignore")
