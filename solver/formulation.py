@@ -50,7 +50,7 @@ not sound once host bytes are free of the budget.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from fractions import Fraction
 from math import gcd
 
@@ -117,6 +117,7 @@ class OffloadLayer:
     device_bytes: ScaledSum  # residual bytes less host bytes: what the budget caps
     host_bytes: ScaledSum
     host_cap: int  # the host budget in host_bytes' scaled units
+    time: PlanTime = field(compare=False)  # what ``cost`` poses, to price plans exactly
     # A scan region's time per pass: integer variables in [0, upper], not 0-1.
     integers: tuple[tuple[int, int], ...] = ()  # (variable, upper bound)
     at_least: tuple[AtLeast, ...] = ()
@@ -425,8 +426,8 @@ def _offload_layer(
         device_terms.append((var, coef * residual_bytes.scale))
         if var in host_of:
             device_terms.append((host_of[var], -coef * residual_bytes.scale))
-    cost, integers, rows = _time_sum(graph, builder, active, always_active, host_terms,
-                                     PlanTime(graph, options))
+    time = PlanTime(graph, options)
+    cost, integers, rows = _time_sum(graph, builder, active, always_active, host_terms, time)
     host_bytes = _scaled([(host, nbytes) for host, _, nbytes in host_terms], 0)
     return OffloadLayer(
         offload_vars=tuple((off, d) for d, off in offload_of.items()),
@@ -434,6 +435,7 @@ def _offload_layer(
         device_bytes=_scaled(device_terms, residual_bytes.offset),
         host_bytes=host_bytes,
         host_cap=options.host_budget_bytes // host_bytes.scale,
+        time=time,
         integers=integers,
         at_least=rows,
     )

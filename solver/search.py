@@ -69,7 +69,6 @@ from optiremat.solver.offload import (
     TRANSFERS_PER_BYTE,
     OffloadPlan,
     OffloadReport,
-    PlanTime,
     evaluate_offload,
 )
 from optiremat.solver.repeats import FoldedSearch, compress
@@ -158,7 +157,6 @@ class Search:
                                     offload=options.offload)
         self.kind = options.backend if self.f.offload is None else Backend.CPSAT
         self.baseline = baseline_backward_flops(graph)
-        self.time = None if options.offload is None else PlanTime(graph, options.offload)
         self._save_all_bytes = evaluate(graph, [True] * graph.num_nodes).residual_bytes
         self._backends: dict[Backend, MilpBackend] = {}
         self._cut_model: CutModel | None = None
@@ -466,7 +464,7 @@ class Search:
         saves = self.f.node_saves(self.graph, decisions)
         priced = evaluate_offload(self.graph, saves, offloaded, evaluation)
         recompute = priced.evaluation.backward_flops - self.baseline
-        cost = Fraction(recompute) if self.time is None else self.time.cost(priced)
+        cost = Fraction(recompute) if self.f.offload is None else self.f.offload.time.cost(priced)
         return _Plan(tuple(decisions), offloads, priced, recompute, cost)
 
     def _solution(
