@@ -1,33 +1,48 @@
 """Peak budgets: a budget is the peak bytes of the compiled training step.
 
 What runs out on a device is the peak of ``jax.jit(jax.grad(loss))`` as XLA's
-``memory_analysis()`` counts it: argument + output + temp - alias bytes. A
-plan moves only part of that, so the model is::
+``memory_analysis()`` counts it: argument + output + temp - alias bytes. The
+step runs in *phases*, and its peak is the largest of them::
 
-    peak(plan) = held + working + residual bytes that are not arguments
+    peak(plan) = held + max over phases p of (residuals live in p + working set of p)
 
 * ``held``: arguments (parameters, batch) + outputs (gradients) - bytes the
   outputs alias (donated arguments); fixed by the step's signature.
+* the phases (``step_phases``): each region's backward pass, one layer at a
+  time, and the phases outside every region (the forward pass's end and the
+  backward of what follows the last region: an LM head's logits, softmax and
+  their cotangents). The backward pass runs the program in reverse, so a
+  residual is live from where the forward pass makes it to the backward of the
+  earliest part that reads it: an LM head's residuals are freed before any
+  layer's backward runs, the stacked residuals of a ``lax.scan`` live until its
+  backward ends, and every residual is live at the end of the forward pass.
 * residuals: what the forward pass leaves for the backward pass. Residuals
   inside a ``lax.scan`` are stacked over its length (``value_bytes`` already
-  are), so this is per-layer residuals x layers, plus the rest; a residual may
-  cost more on the device than its size (``value_extra_bytes``). Residuals that
-  are arguments are held anyway and cost nothing more.
-* ``working``: the largest transient working set of the backward pass, one
-  layer's recomputation and its cotangents, measured by one compile of one
-  layer per region (``optiremat.client.calibration``).
+  are); a residual may cost more on the device than its size
+  (``value_extra_bytes``). Residuals that are arguments are held anyway. Only
+  the regions' residuals move with the plan; those outside every region are
+  JAX's own choice, the same for every plan, and are counted in the phases
+  that hold them.
+* working sets: a region's is one layer's recomputation and cotangents,
+  measured by one compile of one layer (``optiremat.client.calibration``); the
+  phases outside the regions hold ``StepMemory.outside_working_bytes``,
+  measured by one compile of the step.
 
-Measured on the scan corpus (``bench/peak.py``): XLA's temp bytes are exactly
-linear in the number of layers for a fixed policy, with the stacked residuals
-as the slope, so held + residuals is exact and the working set is the only
-estimate. Along the frontier of optimal plans it varies by 1-8% of the peak
-around the calibrated value.
-
-A peak budget is therefore a residual budget shifted by ``held + working``, on
-a view of the graph whose argument values weigh nothing: the search is the
+Every phase holds the regions' residuals (a step's regions are planned as one
+row: exact for one region, and for several it counts a later region's
+residuals in an earlier one's backward, which has freed them), so the budget
+is one residual budget shifted by ``held`` + the largest phase's fixed bytes,
+on a view of the graph whose fixed residuals weigh nothing: the search is the
 same MILP. ``SolveOptions.memory`` picks the meaning; by default a graph that
 carries its step (``CostGraph.step``) is planned by peak, any other by
 residuals.
+
+Measured on the scan corpus (``bench/peak.py``): XLA's temp bytes are exactly
+linear in the number of layers for a fixed policy, with the stacked residuals
+as the slope; and on the LM corpus (``tests/lm_models.py``) the head's phase
+sets the peak from vocabularies of about 8k at these sizes, where the phase
+model predicts it within bytes and a sum of every residual and the largest
+layer working set ran 11-80% under it.
 """
 
 from __future__ import annotations
@@ -108,18 +123,109 @@ def priced_extra_bytes(graph: CostGraph, saves: Sequence[bool],
 
 
 @dataclass(frozen=True)
+class Phase:
+    """One phase of the step: what it holds besides ``held`` and the plan's residuals."""
+
+    name: str  # "backward of region 0" or "outside the regions"
+    region: int  # the region whose backward pass this is; -1 outside every region
+    working_bytes: int  # its working set
+    fixed_residual_bytes: int = 0  # the residuals no plan changes that are live here
+
+    @property
+    def fixed_bytes(self) -> int:
+        """What the phase holds whatever the plan, besides the step's held bytes."""
+        return self.working_bytes + self.fixed_residual_bytes
+
+
+# The last few graphs' fixed residuals: every view of a solve (each group count, each
+# refining round) asks for them, and each answer is two evaluations of the graph.
+_FIXED_CACHE: dict[int, tuple[CostGraph, list[int]]] = {}
+_FIXED_CACHE_SIZE = 8
+
+
+def fixed_residuals(graph: CostGraph) -> list[int]:
+    """The values outside every region that are residuals whatever the plan (JAX's AD
+    saves them: nothing decides there), as positions: residual both when every node is
+    saved and when none is. Empty for a graph priced the way it was before phases."""
+    if graph.step is None or graph.step.outside_working_bytes is None:
+        return []
+    cached = _FIXED_CACHE.get(id(graph))
+    if cached is not None and cached[0] is graph:
+        return cached[1]
+    fixed = _fixed_residuals(graph)
+    if len(_FIXED_CACHE) >= _FIXED_CACHE_SIZE:
+        _FIXED_CACHE.pop(next(iter(_FIXED_CACHE)))
+    _FIXED_CACHE[id(graph)] = (graph, fixed)
+    return fixed
+
+
+def _fixed_residuals(graph: CostGraph) -> list[int]:
+    stacked_by = graph.value_region or [-1] * graph.num_values
+    regions = graph.node_region or [-1] * graph.num_nodes
+    producer = graph.producer
+    every = set(evaluate(graph, [True] * graph.num_nodes).residuals)
+    none = set(evaluate(graph, [False] * graph.num_nodes).residuals)
+    return [v for v in sorted(every & none) if stacked_by[v] < 0
+            and ((p := producer[v]) is None or regions[p] < 0)]
+
+
+def _freed_at(graph: CostGraph) -> list[int]:
+    """Per value, the position (in program order: 2r+1 for region r, 2r for what runs
+    between regions r-1 and r) of the earliest part that reads it: the backward pass
+    runs the positions in reverse and frees a residual once that part's backward ends."""
+    regions = graph.node_region or [-1] * graph.num_nodes
+    position, seen = [], -1
+    for r in regions:
+        seen = max(seen, r)
+        position.append(2 * r + 1 if r >= 0 else 2 * (seen + 1))
+    producer = graph.producer
+    freed = [position[p] if p is not None else 0 for p in producer]
+    for n, reads in enumerate(graph.node_inputs):
+        for v in reads:
+            freed[v] = min(freed[v], position[n])
+    return freed
+
+
+def step_phases(graph: CostGraph, groups: Sequence[int] | None = None,
+                region_working: Sequence[int] | None = None) -> list[Phase]:
+    """The step's phases, each with its fixed bytes; a region's working set is the
+    calibrated one unless ``region_working`` (per region) says otherwise. The phases
+    outside every region are one phase: at the forward pass's end and in the backward
+    of what follows the last region every residual is live."""
+    step = graph.step
+    assert step is not None
+    working = [r.working_bytes for r in step.regions] if region_working is None \
+        else list(region_working)
+    fixed = fixed_residuals(graph)
+    if step.outside_working_bytes is None:  # priced as before phases: one per region
+        return [Phase(f"backward of region {r}", r, w) for r, w in enumerate(working)]
+    groups = [1] * len(step.regions) if groups is None else list(groups)
+    weights = value_weights(graph, groups)
+    freed = _freed_at(graph)
+    phases = [Phase(f"backward of region {r}", r, w,
+                    sum(weights[v] for v in fixed if freed[v] <= 2 * r + 1))
+              for r, w in enumerate(working)]
+    phases.append(Phase("outside the regions", -1, step.outside_working_bytes,
+                        sum(weights[v] for v in fixed)))
+    return phases
+
+
+@dataclass(frozen=True)
 class BudgetView:
     """The graph a search runs on and the bytes every plan holds besides its residuals."""
 
     graph: CostGraph
     memory: Memory
-    held_bytes: int  # arguments + outputs - aliases + working set (0 for residual budgets)
+    held_bytes: int  # arguments + outputs - aliases + the largest phase's fixed bytes
+    phases: tuple[Phase, ...] = ()  # a peak budget's phases (``step_phases``)
 
     @classmethod
     def of(cls, graph: CostGraph, memory: Memory | None,
-           groups: Sequence[int] | None = None) -> BudgetView:
+           groups: Sequence[int] | None = None,
+           region_working: Sequence[int] | None = None) -> BudgetView:
         """The view of ``graph``; with ``groups`` (per region, a peak budget), the view of
-        its regions' layers in that many rematerialised groups (``solver.nesting``)."""
+        its regions' layers in that many rematerialised groups (``solver.nesting``); with
+        ``region_working``, each region's backward working set as measured for a plan."""
         mode = resolve_memory(graph, memory)
         if mode == Memory.RESIDUALS:
             if groups is not None and any(k != 1 for k in groups):
@@ -128,11 +234,20 @@ class BudgetView:
         step = graph.step
         assert step is not None
         groups = [1] * len(step.regions) if groups is None else list(groups)
-        view = CostGraph.model_construct(**{**dict(graph),
-                                            "value_bytes": value_weights(graph, groups),
+        weights = value_weights(graph, groups)
+        for v in fixed_residuals(graph):  # priced in the phases that hold them
+            weights[v] = 0
+        view = CostGraph.model_construct(**{**dict(graph), "value_bytes": weights,
                                             "step": None, "value_extra_bytes": None})
-        held = step.held_bytes + step.working_bytes + nesting_bytes(step, groups)
-        return cls(view, mode, held)
+        phases = tuple(step_phases(graph, groups, region_working))
+        held = (step.held_bytes + max((p.fixed_bytes for p in phases), default=0)
+                + nesting_bytes(step, groups))
+        return cls(view, mode, held, phases)
+
+    def peak_phase(self) -> Phase | None:
+        """The phase that sets the peak of every plan (all phases hold the same plan
+        residuals); None for a residual budget."""
+        return max(self.phases, key=lambda p: p.fixed_bytes, default=None)
 
     def predicted(self, saves: list[bool]) -> int:
         """The budget the plan saving ``saves`` (per node) needs."""

@@ -45,6 +45,13 @@ class StepMemory(BaseModel):
     output_bytes: NonNegInt
     alias_bytes: NonNegInt = 0
     regions: list[RegionMemory] = Field(default_factory=list)
+    # What the phases outside every region hold beyond the residuals live there (the
+    # LM head's logits, softmax and their cotangents, the forward pass's last buffers),
+    # measured with one compile of the step (``optiremat.client.calibration``). None (a
+    # graph from before phases were priced): every residual counts against every region's
+    # backward pass, as it did then (``optiremat.solver.peak.step_phases``).
+    outside_working_bytes: NonNegInt | None = Field(default=None,
+                                                   exclude_if=lambda v: v is None)
 
     @property
     def held_bytes(self) -> int:
