@@ -88,18 +88,46 @@ def peak_breakdown(graph: CostGraph, solution: Solution, evaluation: Evaluation)
         ]
     if per_region[-1] or not step.regions:
         lines.append(row("residuals, elsewhere", per_region[-1], "outside every region"))
-    if step.regions:
-        if solution.working_bytes is not None:
-            lines.append(row("working set", solution.working_bytes,
-                             "one layer's backward pass under the plan's policy (measured)"))
-        else:
-            widest = max(range(len(step.regions)), key=lambda k: step.regions[k].working_bytes)
-            lines.append(row("working set", step.working_bytes,
-                             f"one layer's backward pass, region {widest} (measured under "
-                             "nothing_saveable)"))
-    else:
+    if not step.regions:
         lines.append("  no lax.scan to place remat in: the plan cannot move the peak. "
                      "Put repeated layers under lax.scan (nnx.scan, eqx scan-over-layers).")
+    lines += phase_breakdown(graph, solution)
+    return lines
+
+
+def phase_breakdown(graph: CostGraph, solution: Solution) -> list[str]:
+    """What each phase of the step holds beyond the arguments and gradients, as the
+    model prices it, and which one sets the peak (``solver.peak.step_phases``)."""
+    step = graph.step
+    assert step is not None
+    saves = [d != "recompute" for d in solution.node_decisions]
+    view = BudgetView.of(graph, None, solution.groups)
+    planned = view.predicted(saves) - view.held_bytes  # the plan's residuals, every phase
+    peak = view.peak_phase()
+    lines = ["phases of the step, beyond arguments and gradients (the largest sets the peak):"]
+    for phase in view.phases:
+        if phase.region >= 0:
+            region = step.regions[phase.region]
+            where = (f"one layer at a time, {region.length} layers (lax.scan at "
+                     f"{region.source})")
+            working = "working set of one layer's backward (calibrated)"
+        else:
+            where = "the forward pass's end and the backward of what follows the last region"
+            working = "working set (measured)" if step.outside_working_bytes is not None \
+                else "no working set priced"
+        total = planned + phase.fixed_bytes
+        mark = "<- peak" if phase is peak else ""
+        lines.append(f"  {phase.name:<26}{format_bytes(total):>12}  {mark}".rstrip())
+        lines.append(f"    {where}: the plan's residuals {format_bytes(planned)}, "
+                     f"others live there {format_bytes(phase.fixed_residual_bytes)}, "
+                     f"{working} {format_bytes(phase.working_bytes)}")
+    if peak is not None:
+        lines.append(f"peak at the {peak.name}, layer by layer" if peak.region >= 0 else
+                     "peak outside the regions (the head's backward, where the step has one)")
+    if solution.working_bytes is not None:
+        lines.append(f"  measured for this plan: {format_bytes(solution.working_bytes)} held at "
+                     "its peak beyond the arguments, gradients and residuals; the plan's peak "
+                     "is priced with it")
     return lines
 
 

@@ -27,7 +27,7 @@ from optiremat.client.measure import Residual, backward_flops, saved_residuals
 from optiremat.client.names import tag_every_value
 from optiremat.client.placement import Placement
 from optiremat.client.policy import KeyPolicy
-from optiremat.client.refine import refined_solve
+from optiremat.client.refine import refined_solve, step_measure
 from optiremat.client.step import Step, measured_peak
 from optiremat.client.step_graph import step_extraction
 from optiremat.solver.graph import CostGraph
@@ -448,12 +448,13 @@ def plan_for(fun: Callable, args: tuple, budget: int | str, tie: bool, options: 
         def solve_at(budget: int) -> Solution:
             return solve_fn(graph, budget, tie=True, **options)
 
-        # Offload plans are not refined: on CPU, XLA's memory analysis counts host
-        # buffers as device ones, so their working set cannot be measured here.
-        solution = (refined_solve(graph, extracted.regions, budget_bytes, solve_at)
-                    if refine and not offload else solve_at(budget_bytes))
         placement = Placement(extracted.regions, extracted.differentiated, step,
                               name_inputs=offload)
+        # Offload plans are not refined: on CPU, XLA's memory analysis counts host
+        # buffers as device ones, so their peak cannot be measured here.
+        solution = (refined_solve(graph, extracted.regions, budget_bytes, solve_at,
+                                  step_measure(fun, args, extracted, placement))
+                    if refine and not offload else solve_at(budget_bytes))
         return Plan(extracted.graph, solution, traced, dict(options),
                     key_aliases=extracted.extraction.key_aliases, solve_fn=solve_fn,
                     placement=placement)

@@ -1,33 +1,44 @@
-"""A peak plan fitted to its own working set.
+"""A peak plan fitted to its own measured peak.
 
 The peak model (``optiremat.solver.peak``) is exact about what the step holds
-and what its forward pass stacks; the backward pass's working set is the one
-figure it takes from a measurement, and the solver takes it from one compile
-of one layer under ``nothing_saveable`` (``client.calibration``). The working
-set moves with the plan, though: on the 4-layer f32 Llama of the scan corpus it
-is 30.4 MiB under ``nothing_saveable`` and 22.2 to 27.7 MiB under the plans
-along its frontier, so predictions ran up to 21% high; on the CNN and the MLP
-some plans hold 2 MiB more than ``nothing_saveable`` and ran over their
-budgets (bench/peak.py).
+and what its forward pass stacks; the working sets of its phases are the
+figures it takes from measurements, made once per step under one policy
+(``client.calibration``). They move with the plan, though: on the 4-layer f32
+Llama of the scan corpus a layer's backward holds 30.4 MiB under
+``nothing_saveable`` and 22.2 to 27.7 MiB under the plans along its frontier;
+on the CNN and the MLP some plans hold 2 MiB more; on an LM the head's phase
+holds up to 7% less under plans that save more than ``nothing_saveable``
+(bench/peak.py).
 
-So a plan is refined against its own working set: one more compile of one
-layer under the plan's policy measures it (``working_bytes(region, keys)``),
-the prediction is corrected by the difference, and while the plan does not fit,
-or the budget has room the assumed working set took, the budget is solved again
-shifted by that difference. Then each of JAX's built-in policies that fits
-with its own working set and recomputes less than the answer is tried: solved
-at the shift that lets it fit, and taken itself where the solver's plans there
-hold more than it does, so that a plan is never worse than the built-ins as
-XLA measures them. Each round is one solve and at most one compile of one
-layer per region (measurements are remembered), never a compile per candidate.
+So a plan is refined against its own measurement (a ``PeakMeasure``): with the
+function at hand, as ``optimize`` has it, the whole step compiled with the plan
+applied (``StepMeasure``: XLA's peak itself, every phase included); with the
+graph and its regions alone, one layer per region compiled under the plan's
+policy (``LayerMeasure``: the layers' phases corrected, the others as
+calibrated). The prediction is corrected by the difference, and while the plan
+does not fit, or the budget has room the calibration took, the budget is solved
+again shifted by that difference. Then each of JAX's built-in policies, and each
+value the user named saved alone, that fits as measured and recomputes less
+than the answer is tried: solved at the shift that lets it fit, and taken itself
+where the solver's plans there hold more than it does, so that a plan is never
+worse than the built-ins as XLA measures them. Each round is one solve and at
+most one compile (measurements are remembered), never a compile per candidate
+of the MILP. A budget the solver's price of its smallest plan misses by a few
+bytes is answered with that plan when it fits as measured: the smallest feasible
+budget is the smallest measured peak refinement finds.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Protocol
 
-from optiremat.client.calibration import working_bytes
-from optiremat.client.placement import Region
+from optiremat.client.calibration import assumed_working_bytes, working_bytes
+from optiremat.client.placement import Placement, Region
+from optiremat.client.policy import KeyPolicy
+from optiremat.client.step import measured_peak
+from optiremat.client.step_graph import StepExtraction
 from optiremat.solver.baselines import policy_saves
 from optiremat.solver.graph import CostGraph, NodeMode
 from optiremat.solver.peak import BudgetView, priced_extra_bytes
@@ -39,6 +50,10 @@ from optiremat.solver.solve import solve
 MAX_ROUNDS = 4
 # Solves tightening past a built-in's shift when the solver's plan there holds more.
 MAX_TIGHTENINGS = 3
+# Checkpoint names tried alone, at most (an LM layer names about eight values), and the
+# candidates measured in all: each is a compile.
+MAX_NAMED = 12
+MAX_CANDIDATES_MEASURED = 4
 
 SolveAt = Callable[[int], Solution]
 
@@ -52,40 +67,128 @@ def plan_working_bytes(regions: Sequence[Region], saved_keys: frozenset[str]) ->
 def working_set_delta(graph: CostGraph, regions: Sequence[Region], saves: Sequence[bool],
                       keys: frozenset[str], groups: Sequence[int] | None = None) -> int:
     """What the peak of the plan saving ``saves`` (the policy keys ``keys``) is beyond
-    the solver's price: its own working set for the assumed one, and, where the graph
-    prices XLA's f32 copies of stacked half-float residuals (``value_extra_bytes``,
+    the solver's price: each region's backward phase with its own working set for the
+    assumed one (the phases outside the regions are what they were), and, where the
+    graph prices XLA's f32 copies of stacked half-float residuals (``value_extra_bytes``,
     fitted on CPU), the copies its working set measured instead."""
     assert graph.step is not None
     priced_extra = priced_extra_bytes(graph, saves, groups)
-    return plan_working_bytes(regions, keys) - graph.step.working_bytes - priced_extra
+    # Each layer program's figure moved by what the step's calibration found its
+    # nothing_saveable figure to be in the step (``calibrate_phases``).
+    own = [working_bytes(r, keys) - priced_extra - assumed_working_bytes(r) + memory.working_bytes
+           for r, memory in zip(regions, graph.step.regions, strict=True)]
+    return (BudgetView.of(graph, None, groups, own).held_bytes
+            - BudgetView.of(graph, None, groups).held_bytes)
+
+
+class PeakMeasure(Protocol):
+    """What a plan's peak is, measured: how far it is from the solver's price, and the
+    working set it reports."""
+
+    def measure(self, saves: Sequence[bool], keys: frozenset[str],
+                groups: Sequence[int] | None) -> tuple[int, int]:
+        """(measured peak - the solver's price, working set) of the plan saving
+        ``saves`` (the policy keys ``keys``) in ``groups``."""
+        ...
+
+
+@dataclass(frozen=True)
+class LayerMeasure:
+    """A plan's regions measured one layer at a time (one compile of one layer per
+    policy): what is at hand with the step's graph and regions alone."""
+
+    graph: CostGraph
+    regions: Sequence[Region]
+
+    def measure(self, saves: Sequence[bool], keys: frozenset[str],
+                groups: Sequence[int] | None) -> tuple[int, int]:
+        delta = working_set_delta(self.graph, self.regions, saves, keys, groups)
+        return delta, _beyond_residuals(self.graph, saves, groups, delta)
+
+
+@dataclass
+class StepMeasure:
+    """A plan's whole training step compiled (``peak_of(keys, groups)``, XLA's peak of
+    the jitted step with the plan applied): exact in every phase, the head's included,
+    and what ``optimize`` refines against. Each plan is compiled once."""
+
+    graph: CostGraph
+    peak_of: Callable[[frozenset[str], tuple[int, ...] | None], int]
+    _peaks: dict[tuple[frozenset[str], tuple[int, ...] | None], int] = field(
+        default_factory=dict)
+
+    def measure(self, saves: Sequence[bool], keys: frozenset[str],
+                groups: Sequence[int] | None) -> tuple[int, int]:
+        assert self.graph.step is not None
+        key = (keys, None if groups is None or all(k == 1 for k in groups) else tuple(groups))
+        if key not in self._peaks:
+            self._peaks[key] = self.peak_of(*key)
+        delta = self._peaks[key] - BudgetView.of(self.graph, None, groups).predicted(list(saves))
+        return delta, _beyond_residuals(self.graph, saves, groups, delta)
+
+
+def _beyond_residuals(graph: CostGraph, saves: Sequence[bool], groups: Sequence[int] | None,
+                      delta: int) -> int:
+    """What the plan's peak (its price + ``delta``) holds beyond the step's arguments and
+    gradients and every residual: its peak phase's working set, nesting's buffers."""
+    assert graph.step is not None
+    view = BudgetView.of(graph, None, groups)
+    peak = view.peak_phase()
+    fixed = peak.fixed_residual_bytes if peak is not None else 0
+    return view.held_bytes - graph.step.held_bytes - fixed + delta
+
+
+def step_measure(fun: Callable, args: Sequence, extracted: StepExtraction,
+                 placement: Placement) -> StepMeasure:
+    """A plan's peak as XLA measures it: ``fun``'s step compiled with the plan applied."""
+    aliases = extracted.extraction.key_aliases
+
+    def peak_of(keys: frozenset[str], groups: tuple[int, ...] | None) -> int:
+        expanded = frozenset(k for key in keys for k in aliases.get(key, {key}))
+        applied = placement.apply(fun, KeyPolicy(expanded), groups)
+        return measured_peak(placement.step.function(applied).lower(*args).compile())
+
+    return StepMeasure(extracted.graph, peak_of)
 
 
 def refined_solve(graph: CostGraph, regions: Sequence[Region], budget: int,
-                  solve_at: SolveAt) -> Solution:
-    """The plan for ``budget`` whose peak, with its own working set measured, fits.
+                  solve_at: SolveAt, measure: PeakMeasure | None = None) -> Solution:
+    """The plan for ``budget`` whose peak, measured, fits.
 
     ``solve_at(b)`` solves ``graph`` (a step's) at budget ``b``, which assumes the
-    step's calibrated working set. Raises InfeasibleBudgetError when no plan fits, as
-    the solver does.
+    step's calibrated working sets; ``measure`` says what a plan's peak is (by default
+    its regions' layers compiled, ``LayerMeasure``). Raises InfeasibleBudgetError when
+    no plan fits, naming the smallest plan's measured peak.
     """
-    return _Refinement(graph, regions, budget, solve_at).run()
+    measure = LayerMeasure(graph, regions) if measure is None else measure
+    return _Refinement(graph, budget, solve_at, measure).run()
 
 
 class _Refinement:
-    def __init__(self, graph: CostGraph, regions: Sequence[Region], budget: int,
-                 solve_at: SolveAt) -> None:
+    def __init__(self, graph: CostGraph, budget: int, solve_at: SolveAt,
+                 measure: PeakMeasure) -> None:
         assert graph.step is not None
-        self.graph, self.regions, self.budget, self.solve_at = graph, regions, budget, solve_at
-        self.assumed = graph.step.working_bytes
+        self.graph, self.budget, self.solve_at, self.measure = graph, budget, solve_at, measure
+        # A floor on a plan's peak whatever its working sets: at the forward pass's end
+        # every residual is live.
+        view = BudgetView.of(graph, None)
+        self.unmeasured_share = view.held_bytes - graph.step.held_bytes - max(
+            (p.fixed_residual_bytes for p in view.phases), default=0)
+        self.candidates_measured = 0
         self.best: Solution | None = None
         self.tried: set[int] = set()
         self.options: SolveOptions | None = None  # as the solver echoed the request
         self.unplanned: Solution | None = None  # an answer without a plan (time limit, cancel)
 
     def run(self) -> Solution:
-        # Infeasible here is the solver's answer to keep: its smallest plan is
-        # nothing_saveable in every layer, whose working set is the one assumed.
-        first = self._attempt(0)
+        try:
+            first = self._attempt(0)
+        except InfeasibleBudgetError as err:
+            # The solver's price for its smallest plan may be a little over what XLA
+            # holds (its small buffers): measured, that plan may fit the budget.
+            if err.min_budget_bytes <= self.budget:
+                raise
+            first = self._attempt(self.budget - err.min_budget_bytes)
         if first is None:
             assert self.unplanned is not None
             return self.unplanned  # stopped before a plan: nothing to measure
@@ -126,18 +229,37 @@ class _Refinement:
                 return
             shift = following
 
+    def _candidates(self) -> list[list[bool]]:
+        """JAX's built-ins, and each value the user named with ``checkpoint_name`` saved
+        alone (a name's policy key), the leanest as priced first (those are the ones a
+        tight budget may take). A named value saved
+        can split a layer's backward pass in two and lower its working set, which the
+        calibrated one cannot show: on an LM, saving the attention's out projection alone
+        measures 18% under nothing_saveable's peak (tests/lm_models.py, bench/peak.py)."""
+        g = self.graph
+        named = sorted({k for k, p in zip(g.node_key, g.node_primitive, strict=True)
+                        if p == "name" and k})[:MAX_NAMED]
+        candidates = [[s and bool(k) for s, k in zip(saves, g.node_key, strict=True)]
+                      for saves in policy_saves(g).values()]
+        candidates += [[k == key for k in g.node_key] for key in named]
+        view = BudgetView.of(g, None)
+        return sorted(candidates, key=lambda saves: (view.predicted(saves),
+                                                     recompute_flops(g, saves)))
+
     def _builtins(self) -> None:
         view = BudgetView.of(self.graph, None)
-        for saves in policy_saves(self.graph).values():
-            offered = [s and bool(key) for s, key in zip(saves, self.graph.node_key, strict=True)]
+        for offered in self._candidates():
             flops = recompute_flops(self.graph, offered)
             if self.best is not None and flops >= self.best.recompute_flops:
                 continue
             predicted = view.predicted(offered)
-            if predicted - self.assumed > self.budget:
-                continue  # over the budget whatever its working set
+            if predicted - self.unmeasured_share > self.budget:
+                continue  # over the budget whatever its working sets
+            if self.candidates_measured == MAX_CANDIDATES_MEASURED:
+                return
+            self.candidates_measured += 1
             keys = frozenset(k for k, s in zip(self.graph.node_key, offered, strict=True) if s)
-            shift = self._delta(offered, keys, None)
+            shift = self.measure.measure(offered, keys, None)[0]
             if predicted + shift > self.budget:
                 continue
             # The solver's plan there may hold a little more than the built-in does:
@@ -182,14 +304,10 @@ class _Refinement:
         """``answer`` with its own working set and the peak it makes."""
         assert answer.peak_bytes is not None
         saves = [d != "recompute" for d in answer.node_decisions]
-        keys = frozenset(answer.saved_keys)
-        return answer.model_copy(update={
-            "budget_bytes": self.budget, "working_bytes": plan_working_bytes(self.regions, keys),
-            "peak_bytes": answer.peak_bytes + self._delta(saves, keys, answer.groups)})
-
-    def _delta(self, saves: Sequence[bool], keys: frozenset[str],
-               groups: Sequence[int] | None) -> int:
-        return working_set_delta(self.graph, self.regions, saves, keys, groups)
+        delta, working = self.measure.measure(saves, frozenset(answer.saved_keys),
+                                              answer.groups)
+        return answer.model_copy(update={"budget_bytes": self.budget, "working_bytes": working,
+                                         "peak_bytes": answer.peak_bytes + delta})
 
     def _fits(self, answer: Solution) -> bool:
         assert answer.peak_bytes is not None

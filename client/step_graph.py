@@ -9,14 +9,16 @@ working set included (``client.calibration``), travelling with it.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+
+import jax
 
 import optiremat.client._jax_internals as jx
-from optiremat.client.calibration import assumed_working_bytes
+from optiremat.client.calibration import assumed_working_bytes, calibrate_phases
 from optiremat.client.extract.graphs import Extraction, graph_of_traced
 from optiremat.client.extract.tracing import trace
 from optiremat.client.placement import Region, RegionMarker, find_regions, place
-from optiremat.client.step import Step
+from optiremat.client.step import Step, measured_peak
 from optiremat.solver.graph import CostGraph
 from optiremat.solver.step import RegionMemory, StepMemory
 
@@ -59,7 +61,18 @@ def step_extraction(fun: Callable, args: Sequence, step: Step, *, name: str = ""
                                               nestable=not r.reverse) for r in regions])
     extraction = graph_of_traced(trace(marked, traced.flat_args, {}), name=name, step=True,
                                  differentiated=flags, step_memory=memory)
-    return StepExtraction(extraction, regions, tuple(flags))
+
+    def step_peak(policy) -> int:
+        """XLA's peak of the step with every region under ``policy``."""
+        def placed(*args):
+            out = place(closed, jax.tree_util.tree_leaves(args), regions,
+                        [policy] * len(regions), flags)
+            return jax.tree_util.tree_unflatten(traced.out_tree, out)
+        return measured_peak(step.function(placed).lower(*args).compile())
+
+    graph = CostGraph.model_construct(**{**dict(extraction.graph),
+                                         "step": calibrate_phases(extraction.graph, step_peak)})
+    return StepExtraction(replace(extraction, graph=graph), regions, tuple(flags))
 
 
 def extract_step(fun: Callable, *args, argnums: int | Sequence[int] = 0,
