@@ -38,15 +38,18 @@ import jax.numpy as jnp  # noqa: E402
 
 from optiremat.client.placement import Placement  # noqa: E402
 from optiremat.client.policy import KeyPolicy  # noqa: E402
-from optiremat.client.refine import refined_solve  # noqa: E402
+from optiremat.client.refine import refined_solve, step_measure  # noqa: E402
 from optiremat.client.step import Step, measured_peak  # noqa: E402
 from optiremat.client.step_graph import step_extraction  # noqa: E402
 from optiremat.solver.baselines import policy_saves  # noqa: E402
 from optiremat.solver.frontier import spaced_budgets  # noqa: E402
+from optiremat.solver.peak import BudgetView  # noqa: E402
 from optiremat.solver.semantics import recompute_flops  # noqa: E402
 from optiremat.solver.solution import InfeasibleBudgetError  # noqa: E402
 from optiremat.solver.solve import max_useful_budget, min_feasible_budget, solve  # noqa: E402
 from optiremat.solver.units import format_bytes  # noqa: E402
+from tests.lm_models import CORPUS as LM_CORPUS  # noqa: E402
+from tests.lm_models import LM, PRESETS, dot_flops, lm  # noqa: E402
 from tests.peak_models import CORPUS, Model, llama, residual_stack  # noqa: E402
 
 MiB = 2**20
@@ -66,14 +69,15 @@ def measure(fun, args, extracted, saved_keys: frozenset[str], groups=None) -> in
     return measured_peak(step.function(applied).lower(*args).compile())
 
 
-def plan_at(extracted, budget: int):
-    """The plan ``optimize`` answers: solved, then refined with its own working set."""
+def plan_at(fun, args, extracted, budget: int):
+    """The plan ``optimize`` answers: solved, then refined against its measured step."""
     g = extracted.graph
-    return refined_solve(g, extracted.regions, budget,
-                         lambda b: solve(g, b, time_limit_s=30))
+    placement = Placement(extracted.regions, extracted.differentiated, Step.of(0))
+    return refined_solve(g, extracted.regions, budget, lambda b: solve(g, b, time_limit_s=30),
+                         step_measure(fun, args, extracted, placement))
 
 
-def frontier(model: Model, points: int) -> dict:
+def frontier(model: Model | LM, points: int) -> dict:
     fun, args = model.build()
     started = time.perf_counter()
     extracted = step_extraction(fun, args, Step.of(0), name=model.name)
@@ -84,14 +88,19 @@ def frontier(model: Model, points: int) -> dict:
           f"working set {format_bytes(g.step.working_bytes)} (extraction and calibration "
           f"{extract_s:.1f} s); peak budgets {format_bytes(low)} .. {format_bytes(high)}")
     print(f"{'budget':>11} {'status':>8} {'predicted':>11} {'measured':>11} {'error':>7} "
-          f"{'fits':>5} {'recompute FLOPs':>16}")
+          f"{'fits':>5} {'recompute FLOPs':>16} {'model':>11} {'error':>7}")
     errors, misses, fits, rises, last = [], [], 0, 0, None
+    model_errors = []
     for budget in sorted(spaced_budgets(low, high, points), reverse=True):
-        sol = plan_at(extracted, budget)
+        sol = plan_at(fun, args, extracted, budget)
         peak = measure(fun, args, extracted, frozenset(sol.saved_keys), sol.groups)
         error = (sol.peak_bytes - peak) / peak
         errors.append(error)
         misses.append(sol.peak_bytes - peak)
+        # The phase model's own price of the plan, before refinement measured it.
+        priced = BudgetView.of(g, None, sol.groups).predicted(
+            [d != "recompute" for d in sol.node_decisions])
+        model_errors.append((priced - peak) / peak)
         fit = peak <= budget
         fits += fit
         if last is not None and peak > last:
@@ -99,9 +108,11 @@ def frontier(model: Model, points: int) -> dict:
         last = peak
         print(f"{format_bytes(budget):>11} {sol.status:>8} {format_bytes(sol.peak_bytes):>11} "
               f"{format_bytes(peak):>11} {error:>+7.2%} {'yes' if fit else 'NO':>5} "
-              f"{sol.recompute_flops:>16.4g}")
+              f"{sol.recompute_flops:>16.4g} {format_bytes(priced):>11} "
+              f"{model_errors[-1]:>+7.2%}")
     print(f"prediction error {min(errors):+.1%} .. {max(errors):+.1%} ({min(misses):+,} .. "
-          f"{max(misses):+,} bytes); measured within budget "
+          f"{max(misses):+,} bytes); the phase model alone {min(model_errors):+.1%} .. "
+          f"{max(model_errors):+.1%}; measured within budget "
           f"{fits}/{len(errors)}; measured peak rose as the budget fell {rises} time(s)")
 
     print(f"{'built-in, per layer':>34} {'measured':>11} {'FLOPs':>12} {'plan there':>12} "
@@ -111,7 +122,7 @@ def frontier(model: Model, points: int) -> dict:
         peak = measure(fun, args, extracted, keys)
         flops = recompute_flops(g, saves)
         try:
-            sol = plan_at(extracted, int(peak * (1 + MARGIN)))
+            sol = plan_at(fun, args, extracted, int(peak * (1 + MARGIN)))
             mark = "<=" if sol.recompute_flops <= flops else "MORE"
             plan_text = f"{sol.recompute_flops:>12.4g} {mark}"
         except InfeasibleBudgetError as err:
@@ -122,7 +133,7 @@ def frontier(model: Model, points: int) -> dict:
     print(f"{'(one checkpoint around everything)':>34} "
           f"{format_bytes(measured_peak(Step.of(0).function(outer).lower(*args).compile())):>11}")
     return {"errors": errors, "misses": misses, "fits": fits, "points": len(errors),
-            "rises": rises}
+            "rises": rises, "model_errors": model_errors}
 
 
 def nested() -> None:
@@ -139,7 +150,7 @@ def nested() -> None:
     per_layer = temp(placement.apply(fun, nothing, [1]))
     hand = {k: temp(placement.apply(fun, nothing, [k])) for k in (4, 8, 16)}
     floor = min_feasible_budget(extracted.graph)
-    plan = plan_at(extracted, floor)
+    plan = plan_at(fun, args, extracted, floor)
     keys = frozenset(plan.saved_keys)
     planned = temp(placement.apply(fun, KeyPolicy(keys), plan.groups or [1]))
     best = min(hand.values())
@@ -240,36 +251,81 @@ def levers(plot: Path | None) -> None:
             print(f"plot: {path}")
 
 
+def presets(model: LM) -> list[bool]:
+    """The LM libraries' named presets applied per layer: each one's measured peak and
+    dot FLOPs, and the plan solved at exactly that peak, its dot FLOPs counted by the
+    same rule (``tests.lm_models.dot_flops``). True per preset where the plan does no
+    more."""
+    fun, args = model.build()
+    extracted = step_extraction(fun, args, Step.of(0), name=model.name)
+    placement = Placement(extracted.regions, extracted.differentiated, Step.of(0))
+    print(f"{'named preset, per layer':>34} {'measured':>11} {'dot FLOPs':>12} "
+          f"{'plan dot FLOPs':>15}   (the plan at exactly the preset's measured peak)")
+    better = []
+    for name, saved in PRESETS.items():
+        applied = placement.apply(fun, jax.checkpoint_policies.save_only_these_names(*saved))
+        peak = measured_peak(Step.of(0).function(applied).lower(*args).compile())
+        flops = dot_flops(applied, *args)
+        try:
+            sol = plan_at(fun, args, extracted, peak)
+        except InfeasibleBudgetError as err:
+            print(f"{name:>34} {format_bytes(peak):>11} {flops:>12.4g} "
+                  f"infeasible (min {format_bytes(err.min_budget_bytes)})")
+            better.append(False)
+            continue
+        planned = dot_flops(placement.apply(fun, KeyPolicy(frozenset(sol.saved_keys)),
+                                            sol.groups), *args)
+        better.append(planned <= flops)
+        print(f"{name:>34} {format_bytes(peak):>11} {flops:>12.4g} {planned:>15.4g} "
+              f"{'<=' if planned <= flops else 'MORE'}")
+    return better
+
+
+class _CompileTimer:
+    """Every XLA compile in a block, timed (planning's calibration and refinement)."""
+
+    def __enter__(self) -> _CompileTimer:
+        self.seconds: list[float] = []
+        self._original = jax.stages.Lowered.compile
+        timer = self
+
+        def compile(lowered, *a, **k):
+            started = time.perf_counter()
+            try:
+                return timer._original(lowered, *a, **k)
+            finally:
+                timer.seconds.append(time.perf_counter() - started)
+
+        jax.stages.Lowered.compile = compile  # type: ignore[method-assign]
+        return self
+
+    def __exit__(self, *exc) -> None:
+        jax.stages.Lowered.compile = self._original  # type: ignore[method-assign]
+
+
 def eight_billion() -> None:
-    fun, shapes = llama(layers=32, d=4096, ffn=14336, heads=32, kv_heads=8, batch=1, seq=8192,
-                        dtype=jnp.bfloat16, abstract=True)
+    """Time to plan 8B-shaped steps from shapes: the stack alone, and with an embedding
+    and an LM head over 128k tokens, every compile counted."""
+    from optiremat import optimize
     from optiremat.client import calibration
 
-    calibration._measured.clear()
-    timed: list[float] = []  # the first compile calibrates, the others refine the plan
-    original = calibration._measure
-
-    def timed_measure(region, saved_keys):
-        t = time.perf_counter()
-        try:
-            return original(region, saved_keys)
-        finally:
-            timed.append(time.perf_counter() - t)
-
-    calibration._measure = timed_measure
-    try:
-        started = time.perf_counter()
-        from optiremat import optimize
-
-        plan = optimize(fun, *shapes, budget="120GiB")
-        total = time.perf_counter() - started
-    finally:
-        calibration._measure = original
-    print(f"\n## 8B-shaped Llama stack from ShapeDtypeStruct (32 layers, bf16): plan "
-          f"{plan.status}, peak {format_bytes(plan.peak_bytes)} within 120 GiB; "
-          f"{total:.1f} s in all: calibration compile {timed[0]:.1f} s, "
-          f"{len(timed) - 1} refining compile(s) {sum(timed[1:]):.1f} s, "
-          f"the rest {total - sum(timed):.1f} s")
+    stack = llama(layers=32, d=4096, ffn=14336, heads=32, kv_heads=8, batch=1, seq=8192,
+                  dtype=jnp.bfloat16, abstract=True)
+    with_head = lm(layers=32, d=4096, ffn=14336, heads=32, kv_heads=8, vocab=131072, batch=1,
+                   seq=8192, dtype=jnp.bfloat16, abstract=True)
+    for name, (fun, shapes), budget in (("stack", stack, "120GiB"),
+                                        ("stack, embedding and head at V 128k", with_head,
+                                         "140GiB")):
+        calibration._measured.clear()
+        with _CompileTimer() as timer:
+            started = time.perf_counter()
+            plan = optimize(fun, *shapes, budget=budget)
+            total = time.perf_counter() - started
+        compiles = sum(timer.seconds)
+        print(f"\n## 8B-shaped Llama {name}, from ShapeDtypeStruct (32 layers, bf16, T 8192): "
+              f"plan {plan.status}, peak {format_bytes(plan.peak_bytes)} within {budget}; "
+              f"{total:.1f} s in all: {len(timer.seconds)} compiles {compiles:.1f} s, the rest "
+              f"{total - compiles:.1f} s")
 
 
 def main() -> None:
@@ -287,11 +343,21 @@ def main() -> None:
         return
     models = [m for m in CORPUS if m.name in ("llama_f32_L8", "vit_L12", "mlp_L32")] \
         if opts.quick else CORPUS
+    lms = [m for m in LM_CORPUS if m.name == "lm_V8k"] if opts.quick else LM_CORPUS
     results = [frontier(m, 6 if opts.quick else 16) for m in models]
+    lm_results = []
+    for m in lms:
+        lm_results.append(frontier(m, 6 if opts.quick else 16))
+        lm_results[-1]["presets"] = presets(m)
+    results += lm_results
     errors = [e for r in results for e in r["errors"]]
     misses = [e for r in results for e in r["misses"]]
+    model = [e for r in results for e in r["model_errors"]]
+    good = [b for r in lm_results for b in r["presets"]]
     print(f"\n## all: prediction error {min(errors):+.1%} .. {max(errors):+.1%} "
-          f"({min(misses):+,} .. {max(misses):+,} bytes); within budget "
+          f"({min(misses):+,} .. {max(misses):+,} bytes), the phase model alone "
+          f"{min(model):+.1%} .. {max(model):+.1%}; named presets the plan matches or beats "
+          f"at their measured peak {sum(good)}/{len(good)}; within budget "
           f"{sum(r['fits'] for r in results)}/{sum(r['points'] for r in results)}; "
           f"rises {sum(r['rises'] for r in results)}")
     nested()
