@@ -344,12 +344,22 @@ def _frontier(args: argparse.Namespace) -> int:
         graph = extract_graph(fun, *fun_args)
         builtins = builtin_points(fun, *fun_args)
         title = args.source
+    # Beyond the evenly spaced budgets the local sweep also solves at each built-in's
+    # bytes and where each lever starts to fit: those rows say so.
+    why: dict[int, list[str]] = {}
     if args.server:
         with _remote(args) as remote:
             result = remote.frontier(graph, count=args.points, **_options(args))
     else:
-        also = [p.memory_bytes for p in builtins.values()] + lever_floors(graph, **_options(args))
-        result = sweep(graph, count=args.points, also=also, **_options(args))
+        for name, point in builtins.items():
+            why.setdefault(point.memory_bytes, []).append(name)
+        for floor in lever_floors(graph, **_options(args)):
+            why.setdefault(floor, []).append("a lever's floor")
+        result = sweep(graph, count=args.points, also=list(why), **_options(args))
+    extra = len(result.points) - args.points
+    if extra > 0:
+        print(f"{args.points} evenly spaced budgets and {extra} more at the budgets marked "
+              "'at': a built-in policy's bytes, or where a lever starts to fit")
 
     peak = any(p.peak_bytes is not None for p in result.points)
     timed = result.step_seconds is not None
@@ -366,8 +376,9 @@ def _frontier(args: argparse.Namespace) -> int:
                       f"  {lever}, ")
         elif timed:
             levers = f"{'-':>9} {'-':>10}  "
+        at = f"  (at {', '.join(why[p.budget_bytes])})" if p.budget_bytes in why else ""
         print(f"{format_bytes(p.budget_bytes):>12} {held:>12} {flops:>16}  {levers}"
-              f"{p.status}{mark}")
+              f"{p.status}{mark}{at}")
     if timed:
         print(f"the step itself: {(result.step_seconds or 0) * 1e3:.4f} ms (estimated)")
     print("JAX built-in policies:")

@@ -249,6 +249,23 @@ def test_frontier_prints_the_sweep_and_plots_it(
     assert width > 400 and height > 300
 
 
+def test_frontier_says_why_it_has_more_rows_than_points(
+        workdir: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    graph_path = workdir / "rows.graph.json"
+    assert main(["extract", f"{REPO / 'examples' / 'scan_jax.py'}:loss", "-o",
+                 str(graph_path)]) == 0
+    capsys.readouterr()
+    assert main(["frontier", str(graph_path), "--points", "4"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    rows = [line for line in lines if " optimal" in line]
+    extra = len(rows) - 4
+    assert extra > 0 and lines[0] == (
+        f"4 evenly spaced budgets and {extra} more at the budgets marked 'at': a built-in "
+        "policy's bytes, or where a lever starts to fit")
+    assert sum("(at " in row for row in rows) >= extra
+    assert any("(at nothing_saveable" in row for row in rows)
+
+
 def test_frontier_of_a_function_marks_every_builtin(
         workdir: Path, server: Server, capsys: pytest.CaptureFixture[str]) -> None:
     plot = workdir / "frontier.svg"
