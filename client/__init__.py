@@ -11,7 +11,7 @@ from optiremat.client.frontier import Frontier, sweep
 from optiremat.client.keys import policy_key
 from optiremat.client.placement import PlacementError
 from optiremat.client.plan import NamesForm, Plan, PlanError, Verification, optimize
-from optiremat.client.planfile import PlanFile, load_plan
+from optiremat.client.planfile import PlanFile, PlanFileError, load_plan
 from optiremat.client.plot import plot_frontier
 from optiremat.client.policy import KeyPolicy
 from optiremat.client.remote import RematClient
@@ -30,6 +30,7 @@ __all__ = [
     "PlanError",
     "PlacementError",
     "PlanFile",
+    "PlanFileError",
     "ProblemError",
     "RematClient",
     "RemoteError",

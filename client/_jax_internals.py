@@ -87,11 +87,16 @@ def eval_jaxpr(jaxpr: core.Jaxpr, consts: list, *args):
     return core.eval_jaxpr(jaxpr, consts, *args)
 
 
+def user_context_of(eqn: core.JaxprEqn):
+    """Equations traced inside take ``eqn``'s place in the user's code (its traceback and
+    name stack), not the frame of the library that re-emits them."""
+    name_stack = source_info_util.current_name_stack() + eqn.source_info.name_stack
+    return source_info_util.user_context(eqn.source_info.traceback, name_stack=name_stack)
+
+
 def bind_equation(eqn: core.JaxprEqn, invals: list) -> list:
     """Re-emit one equation on ``invals``, as ``core.eval_jaxpr`` does."""
     params = eqn.primitive.get_bind_params(eqn.params)
-    name_stack = source_info_util.current_name_stack() + eqn.source_info.name_stack
-    with (source_info_util.user_context(eqn.source_info.traceback, name_stack=name_stack),
-          eqn.ctx.manager):
+    with user_context_of(eqn), eqn.ctx.manager:
         out = eqn.primitive.bind(*invals, **params)
     return list(out) if eqn.primitive.multiple_results else [out]

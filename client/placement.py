@@ -125,6 +125,12 @@ def _differentiated_outputs(eqn, ins: Sequence[bool]) -> list[bool]:
     return [any_in and bool(jnp.issubdtype(v.aval.dtype, jnp.inexact)) for v in eqn.outvars]
 
 
+def _is_region(eqn, ins: Sequence[bool]) -> bool:
+    """A differentiated scan that runs: a scan of length 0 is left as it is, for the
+    extraction to refuse with its place in the user's code."""
+    return info(eqn.primitive).role == Role.SCAN and any(ins) and int(eqn.params["length"]) > 0
+
+
 def _walk(jaxpr: jx.Jaxpr, differentiated: Sequence[bool], found: list[Region],
           inside: str | None) -> list[bool]:
     env = dict(zip(jaxpr.invars, differentiated, strict=True))
@@ -137,7 +143,7 @@ def _walk(jaxpr: jx.Jaxpr, differentiated: Sequence[bool], found: list[Region],
         role = info(eqn.primitive).role
         if role == Role.CALL:
             outs = _walk(_called(eqn).jaxpr, ins, found, inside)
-        elif role == Role.SCAN and any(ins):
+        elif _is_region(eqn, ins):
             if inside is not None:
                 raise PlacementError(
                     f"a differentiated lax.scan at {jx.source_of(eqn)} sits inside a {inside}: "
@@ -210,7 +216,7 @@ class _Placer:
             if role == Role.CALL and self._has_region(eqn, ins):
                 inner = _called(eqn)
                 outs = self.eval(inner.jaxpr, inner.consts, invals, ins)
-            elif role == Role.SCAN and any(ins):
+            elif _is_region(eqn, ins):
                 outs = self._placed_scan(eqn, invals, ins)
             else:
                 outs = jx.bind_equation(eqn, invals)
@@ -257,11 +263,14 @@ class _Placer:
             return list(out[:n_carry]), list(out[n_carry:])
 
         length = int(p["length"])
-        if self.groups[k] == 1:
-            carry, ys = lax.scan(step, init, xs, length=length, reverse=p["reverse"],
-                                 unroll=p["unroll"])
-            return [*carry, *ys]
-        return _grouped_scan(step, init, xs, length, self.groups[k], p["unroll"])
+        # The rebuilt scan keeps the user's scan's place in their code (what explain and
+        # error messages name), not this line's.
+        with jx.user_context_of(eqn):
+            if self.groups[k] == 1:
+                carry, ys = lax.scan(step, init, xs, length=length, reverse=p["reverse"],
+                                     unroll=p["unroll"])
+                return [*carry, *ys]
+            return _grouped_scan(step, init, xs, length, self.groups[k], p["unroll"])
 
 
 def divisors(length: int) -> list[int]:

@@ -10,14 +10,16 @@ cond's branches).
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import TYPE_CHECKING, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from optiremat.solver.graph import CostGraph
 from optiremat.solver.semantics import Evaluation, evaluate
 from optiremat.solver.solution import Solution
+from optiremat.solver.validation_message import validation_message
 
 if TYPE_CHECKING:
     from optiremat.client.plan import Plan
@@ -39,6 +41,15 @@ class PlanFile(BaseModel):
             raise ValueError(
                 f"the solution is for graph {self.solution.graph_hash[:12]}, not for the "
                 f"graph in this file ({self.graph.content_hash[:12]})")
+        decisions = self.solution.node_decisions
+        # Empty when the solver stopped before any plan; else one decision per node.
+        if decisions and len(decisions) != self.graph.num_nodes:
+            raise ValueError(
+                f"solution.node_decisions has {len(decisions)} entries but the graph has "
+                f"{self.graph.num_nodes} nodes: one decision per node")
+        if "offload" in decisions and self.solution.options.offload is None:
+            raise ValueError("solution.node_decisions offloads a node, but the solution's "
+                             "options have no offload")
         return self
 
     @classmethod
@@ -80,5 +91,26 @@ class PlanFile(BaseModel):
         return path
 
 
+class PlanFileError(ValueError):
+    """A file that is not a plan optiremat can use; the message names the file and field."""
+
+
 def load_plan(path: str | Path) -> PlanFile:
-    return PlanFile.model_validate_json(Path(path).read_bytes())
+    """The plan in ``path``, checked: its solution is for its graph, a decision per node."""
+    data = Path(path).read_bytes()
+    try:
+        return PlanFile.model_validate_json(data)
+    except ValidationError as exc:
+        if _is_graph(data):
+            raise PlanFileError(f"{path} is a cost graph, not a plan: solve it first "
+                                "(optiremat solve GRAPH.json --budget SIZE)") from None
+        raise PlanFileError(f"{path} is not a valid plan file: {validation_message(exc)}"
+                            ) from None
+
+
+def _is_graph(data: bytes) -> bool:
+    try:
+        top = json.loads(data)
+    except ValueError:
+        return False
+    return isinstance(top, dict) and "schema_version" in top and "format" not in top

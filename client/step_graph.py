@@ -44,6 +44,7 @@ def step_extraction(fun: Callable, args: Sequence, step: Step, *, name: str = ""
     With ``name_inputs`` each layer's input is offered to the plan too (to offload)."""
     step.check(args)
     traced = trace(fun, args, {})
+    traced.check_differentiable()  # before the compiles that measure working sets
     flags = step.differentiated(args)
     closed = jx.ClosedJaxpr(traced.open_jaxpr, traced.consts)
     regions = tuple(find_regions(closed, flags))

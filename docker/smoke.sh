@@ -22,14 +22,34 @@ WORK=${SMOKE_WORK:-/var/tmp/optiremat-smoke}
 # The Debian mirror debootstrap fetches from: DEBIAN_MIRROR, else the first archive this
 # machine's own apt sources name (deb822 .sources or one-line sources.list), never a
 # default host of ours.
+# APT_DIR (default /etc/apt) is where to look; a missing file is no error (a Debian 12
+# install has only deb822 files), and no mirror at all is said on stderr, status 1.
 apt_mirror() {
-    { awk '/^URIs:/ {print $2}' /etc/apt/sources.list.d/*.sources 2>/dev/null
-      awk '$1 == "deb" {for (i = 2; i <= NF; i++) if ($i ~ /:\/\//) {print $i; break}}' \
-          /etc/apt/sources.list /etc/apt/sources.list.d/*.list 2>/dev/null
-    } | grep -v -e '-security' | head -n 1
+    local dir=${1:-/etc/apt} file mirror
+    mirror=$({
+        for file in "$dir"/sources.list.d/*.sources; do
+            if [ -f "$file" ]; then
+                awk 'tolower($1) == "uris:" {for (i = 2; i <= NF; i++) print $i}' "$file"
+            fi
+        done
+        for file in "$dir"/sources.list "$dir"/sources.list.d/*.list; do
+            if [ -f "$file" ]; then
+                awk '$1 == "deb" {for (i = 2; i <= NF; i++) if ($i ~ /:\/\//) {print $i; break}}' \
+                    "$file"
+            fi
+        done
+    } | awk '!/-security/ && !found {print; found = 1}')  # reads all: no SIGPIPE
+    if [ -z "$mirror" ]; then
+        echo "smoke: no Debian mirror in $dir/sources.list, $dir/sources.list.d/*.list or" \
+             "*.sources; set DEBIAN_MIRROR" >&2
+        return 1
+    fi
+    echo "$mirror"
 }
-MIRROR=${DEBIAN_MIRROR:-$(apt_mirror)}
-[ -n "$MIRROR" ] || { echo "smoke: no Debian mirror in /etc/apt; set DEBIAN_MIRROR" >&2; exit 2; }
+MIRROR=${DEBIAN_MIRROR:-}
+if [ -z "$MIRROR" ]; then
+    MIRROR=$(apt_mirror "${APT_DIR:-/etc/apt}") || exit 2
+fi
 PORT=${SMOKE_PORT:-18000}
 BASE=localhost/optiremat-base:bookworm
 IMAGE=localhost/optiremat:smoke

@@ -4,7 +4,7 @@ with optiremat.
 ``eqx.partition`` splits the stacked layers into their arrays (the
 differentiated parameters, one leading axis per layer) and everything else; the
 scan body recombines one layer's slice with the rest, so ``jax.grad`` sees a
-pure function of arrays. Run: ``python examples/equinox_mlp.py``.
+pure function of arrays. Run: ``.venv/bin/python examples/equinox_mlp.py``.
 """
 
 from __future__ import annotations

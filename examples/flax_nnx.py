@@ -4,7 +4,7 @@ NNX modules are stateful objects; ``nnx.split`` turns one into a static graph
 definition and a ``State`` pytree, and a pure loss over that state is what
 ``jax.grad`` (and so optiremat) takes. ``nnx.scan`` lowers to ``lax.scan``, whose
 body becomes the plan's remat region: ``plan.apply(loss)`` replaces an
-``nnx.remat`` the model might carry. Run: ``python examples/flax_nnx.py``.
+``nnx.remat`` the model might carry. Run: ``.venv/bin/python examples/flax_nnx.py``.
 """
 
 from __future__ import annotations

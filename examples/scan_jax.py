@@ -1,10 +1,10 @@
 """A deep residual stack written with ``lax.scan``, planned for its peak with optiremat.
 
-Run it: ``python examples/scan_jax.py``. From the command line::
+Run it: ``.venv/bin/python examples/scan_jax.py``. From the command line::
 
-    optiremat extract examples/scan_jax.py:loss --out loss.graph.json
-    optiremat solve loss.graph.json --budget 2MiB --out plan.json
-    optiremat explain plan.json
+    .venv/bin/optiremat extract examples/scan_jax.py:loss --out loss.graph.json
+    .venv/bin/optiremat solve loss.graph.json --budget 2MiB --out plan.json
+    .venv/bin/optiremat explain plan.json
 """
 
 from __future__ import annotations

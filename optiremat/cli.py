@@ -7,10 +7,36 @@ loads JAX and ``optiremat --help`` stays instant.
 from __future__ import annotations
 
 import argparse
+import re
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, NoReturn
 
-from optiremat.commands import add_commands  # imports nothing heavy: commands import lazily
+if TYPE_CHECKING:
+    from pydantic import ValidationError
+
+from optiremat.commands import (  # imports nothing heavy: commands import lazily
+    SIZE_OPTIONS,
+    add_commands,
+)
+
+
+class Parser(argparse.ArgumentParser):
+    """A usage error is two lines: what is wrong, and where the usage is."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message}\n"
+                     f"run '{self.prog} --help' for its arguments\n")
+
+
+def _settings_error(command: str, exc: ValidationError) -> str:
+    from optiremat.service.core.config import Settings
+    from optiremat.solver.validation_message import validation_message
+
+    flags = {"host": " (--host)", "port": " (--port)"}
+    names = {field: f"OPTIREMAT_{field.upper()}{flags.get(field, '')}"
+             for field in Settings.model_fields}
+    return f"optiremat {command}: invalid setting {validation_message(exc, names)}"
 
 
 def _serve(args: argparse.Namespace) -> int:
@@ -24,8 +50,7 @@ def _serve(args: argparse.Namespace) -> int:
     try:
         settings = Settings(**overrides)
     except ValidationError as exc:
-        print(f"optiremat serve: invalid settings (OPTIREMAT_* variables or flags):\n{exc}",
-              file=sys.stderr)
+        print(_settings_error("serve", exc), file=sys.stderr)
         return 2
     serve(settings)
     return 0
@@ -39,8 +64,7 @@ def _worker(args: argparse.Namespace) -> int:
     try:
         settings = Settings()
     except ValidationError as exc:
-        print(f"optiremat worker: invalid settings (OPTIREMAT_* variables):\n{exc}",
-              file=sys.stderr)
+        print(_settings_error("worker", exc), file=sys.stderr)
         return 2
     if not settings.redis_url:
         print("optiremat worker: set OPTIREMAT_REDIS_URL (e.g. redis://localhost:6379/0)",
@@ -52,7 +76,7 @@ def _worker(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = Parser(
         prog="optiremat",
         description="Optimal activation checkpointing for JAX.",
     )
@@ -82,8 +106,25 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+# A value such as '-5GiB' (argparse takes only plain negative numbers as values).
+_NEGATIVE_LOOKING = re.compile(r"^-[0-9.]")
+
+
+def _join_negative_values(argv: Sequence[str]) -> list[str]:
+    """``--budget -5GiB`` as ``--budget=-5GiB``, so that the value's own check answers
+    (a budget must be positive), not argparse's 'expected one argument'."""
+    out: list[str] = []
+    for arg in argv:
+        if out and out[-1] in SIZE_OPTIONS and _NEGATIVE_LOOKING.match(arg):
+            out[-1] = f"{out[-1]}={arg}"
+        else:
+            out.append(arg)
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    argv = sys.argv[1:] if argv is None else argv
+    args = build_parser().parse_args(_join_negative_values(argv))
     run: Callable[[argparse.Namespace], int] = args.run
     return run(args)
 

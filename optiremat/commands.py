@@ -74,7 +74,7 @@ def add_commands(parser: argparse.ArgumentParser,
                     "write it (graph and solution together) as PLAN.json.",
         epilog="example:\n  optiremat solve loss.graph.json --budget 8GiB --out plan.json")
     solve.add_argument("graph", metavar="GRAPH.json")
-    solve.add_argument("--budget", required=True,
+    solve.add_argument("--budget", required=True, type=_budget, metavar="SIZE",
                        help="bytes, or with a unit (512MiB, 8GiB, 1.5GB)")
     solve.add_argument("-o", "--out", metavar="PLAN.json",
                        help="where to write the plan (default: GRAPH with .plan.json)")
@@ -126,7 +126,7 @@ def _solver_options(parser: argparse.ArgumentParser) -> None:
         "in estimated seconds")
     offload.add_argument("--offload", action="store_true",
                          help="offload with the defaults below unless set")
-    offload.add_argument("--host-budget", metavar="SIZE",
+    offload.add_argument("--host-budget", type=_host_budget, metavar="SIZE",
                          help="host memory for offloaded residuals (default: 64GiB)")
     offload.add_argument("--host-bandwidth", type=_rate, metavar="BYTES/S",
                          help="the link to host memory (default: 25e9)")
@@ -135,6 +135,41 @@ def _solver_options(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--server", default=os.environ.get("OPTIREMAT_SERVER"), metavar="URL",
                        help="solve on this optiremat server (default: OPTIREMAT_SERVER, "
                             "else in-process)")
+
+
+# Options whose values may start with '-': argparse would read '--budget -5GiB' as two
+# options (cli.main joins them) and the error must come from the value's check.
+SIZE_OPTIONS = ("--budget", "--host-budget")
+
+# The solver option each flag sets, for errors that name a field.
+FLAG_OF = {"time_limit_s": "--time-limit", "relative_gap": "--gap",
+           "host_budget_bytes": "--host-budget", "host_bandwidth": "--host-bandwidth",
+           "device_flop_rate": "--flop-rate"}
+
+
+def _size(text: str, what: str, positive: bool) -> int:
+    from optiremat.solver.units import parse_bytes
+
+    if text.strip().startswith("-"):
+        rule = "must be positive" if positive else "cannot be negative"
+        raise argparse.ArgumentTypeError(f"{what} {rule}, got {text!r}")
+    try:
+        value = parse_bytes(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    if positive and value == 0:
+        raise argparse.ArgumentTypeError(f"{what} must be positive, got {text!r}")
+    return value
+
+
+def _budget(text: str) -> int:
+    """A memory budget: positive bytes, plainly or with a unit."""
+    return _size(text, "a budget", positive=True)
+
+
+def _host_budget(text: str) -> int:
+    """Host memory for offload: bytes, 0 offloads nothing."""
+    return _size(text, "a host budget", positive=False)
 
 
 def _rate(text: str) -> int:
@@ -156,17 +191,23 @@ def _options(args: argparse.Namespace) -> dict[str, Any]:
         options["relative_gap"] = args.gap
     offload: dict[str, int] = {}
     if args.host_budget is not None:
-        from optiremat.solver.units import parse_bytes
-
-        offload["host_budget_bytes"] = parse_bytes(args.host_budget)
+        offload["host_budget_bytes"] = args.host_budget
     if args.host_bandwidth is not None:
         offload["host_bandwidth"] = args.host_bandwidth
     if args.flop_rate is not None:
         offload["device_flop_rate"] = args.flop_rate
-    if args.offload or offload:
-        from optiremat.solver.offload import OffloadOptions
+    from pydantic import ValidationError
 
-        options["offload"] = OffloadOptions(**offload)
+    from optiremat.solver.offload import OffloadOptions
+    from optiremat.solver.solution import SolveOptions
+    from optiremat.solver.validation_message import validation_message
+
+    try:
+        if args.offload or offload:
+            options["offload"] = OffloadOptions(**offload)
+        SolveOptions(**options)  # refused here, naming the flag, not in the solver
+    except ValidationError as exc:
+        raise ValueError(validation_message(exc, FLAG_OF)) from None
     return options
 
 
@@ -187,11 +228,16 @@ def _reporting_errors(run: Run) -> Run:
         from optiremat.client.target import TargetError
         from optiremat.solver.graph import GraphError
         from optiremat.solver.solution import InfeasibleBudgetError
+        from optiremat.solver.validation_message import validation_message
 
         try:
             return run(args)
+        except ValidationError as exc:
+            print(f"optiremat {args.command}: {exc.title}: {validation_message(exc)}",
+                  file=sys.stderr)
+            return 1
         except (InfeasibleBudgetError, RemoteError, BudgetError, TargetError, GraphError,
-                ValidationError, OSError, ValueError) as exc:
+                OSError, ValueError) as exc:
             print(f"optiremat {args.command}: {exc}", file=sys.stderr)
             return 1
 
@@ -199,9 +245,31 @@ def _reporting_errors(run: Run) -> Run:
 
 
 def _read_graph(path: str):
-    from optiremat.solver.graph import CostGraph
+    from pydantic import ValidationError
 
-    return CostGraph.model_validate_json(Path(path).read_bytes())
+    from optiremat.solver.graph import CostGraph
+    from optiremat.solver.validation_message import validation_message
+
+    data = Path(path).read_bytes()
+    try:
+        return CostGraph.model_validate_json(data)
+    except ValidationError as exc:
+        if "format" in _top_level_keys(data):
+            raise ValueError(f"{path} is a plan, not a cost graph: 'optiremat explain "
+                             f"{path}' reads it") from None
+        raise ValueError(f"{path} is not a valid cost graph: {validation_message(exc)}"
+                         ) from None
+
+
+def _top_level_keys(data: bytes) -> set[str]:
+    """The keys of a JSON object (none when it is not one): what kind of file it is."""
+    import json
+
+    try:
+        top = json.loads(data)
+    except ValueError:
+        return set()
+    return set(top) if isinstance(top, dict) else set()
 
 
 # ---- commands -----------------------------------------------------------------
@@ -231,10 +299,9 @@ def _extract(args: argparse.Namespace) -> int:
 def _solve(args: argparse.Namespace) -> int:
     from optiremat.client.planfile import PlanFile
     from optiremat.solver.solve import solve
-    from optiremat.solver.units import parse_bytes
 
     graph = _read_graph(args.graph)
-    budget = parse_bytes(args.budget)
+    budget = args.budget
     if args.server:
         with _remote(args) as remote:
             solution = remote.solve(graph, budget, **_options(args))
@@ -277,12 +344,22 @@ def _frontier(args: argparse.Namespace) -> int:
         graph = extract_graph(fun, *fun_args)
         builtins = builtin_points(fun, *fun_args)
         title = args.source
+    # Beyond the evenly spaced budgets the local sweep also solves at each built-in's
+    # bytes and where each lever starts to fit: those rows say so.
+    why: dict[int, list[str]] = {}
     if args.server:
         with _remote(args) as remote:
             result = remote.frontier(graph, count=args.points, **_options(args))
     else:
-        also = [p.memory_bytes for p in builtins.values()] + lever_floors(graph, **_options(args))
-        result = sweep(graph, count=args.points, also=also, **_options(args))
+        for name, point in builtins.items():
+            why.setdefault(point.memory_bytes, []).append(name)
+        for floor in lever_floors(graph, **_options(args)):
+            why.setdefault(floor, []).append("a lever's floor")
+        result = sweep(graph, count=args.points, also=list(why), **_options(args))
+    extra = len(result.points) - args.points
+    if extra > 0:
+        print(f"{args.points} evenly spaced budgets and {extra} more at the budgets marked "
+              "'at': a built-in policy's bytes, or where a lever starts to fit")
 
     peak = any(p.peak_bytes is not None for p in result.points)
     timed = result.step_seconds is not None
@@ -299,8 +376,9 @@ def _frontier(args: argparse.Namespace) -> int:
                       f"  {lever}, ")
         elif timed:
             levers = f"{'-':>9} {'-':>10}  "
+        at = f"  (at {', '.join(why[p.budget_bytes])})" if p.budget_bytes in why else ""
         print(f"{format_bytes(p.budget_bytes):>12} {held:>12} {flops:>16}  {levers}"
-              f"{p.status}{mark}")
+              f"{p.status}{mark}{at}")
     if timed:
         print(f"the step itself: {(result.step_seconds or 0) * 1e3:.4f} ms (estimated)")
     print("JAX built-in policies:")

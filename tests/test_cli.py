@@ -158,6 +158,60 @@ def test_an_infeasible_budget_is_one_clear_line_and_exit_1(
     assert err.count("\n") == 1
 
 
+def test_a_negative_budget_is_read_as_its_value_and_refused_in_two_lines(
+        graph_file: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    for argv in (["--budget", "-5GiB"], ["--budget=-5GiB"], ["--budget", "0"]):
+        with pytest.raises(SystemExit) as info:
+            main(["solve", str(graph_file), *argv])
+        assert info.value.code == 2
+        err = capsys.readouterr().err
+        assert err.startswith("optiremat solve: error: argument --budget: a budget must be "
+                              "positive, got ") and err.count("\n") == 2
+    with pytest.raises(SystemExit):
+        main(["solve", str(graph_file), "--budget", "1MiB", "--host-budget", "-1GiB"])
+    assert "argument --host-budget: a host budget cannot be negative" in capsys.readouterr().err
+
+
+def one_line_error(capsys: pytest.CaptureFixture[str], command: str) -> str:
+    captured = capsys.readouterr()
+    assert captured.err.startswith(f"optiremat {command}: ") and captured.err.count("\n") == 1
+    assert "pydantic.dev" not in captured.err and "Traceback" not in captured.err
+    return captured.err
+
+
+def test_invalid_options_and_files_are_one_line_naming_the_flag_or_field(
+        graph_file: Path, workdir: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    solve_it = ["solve", str(graph_file), "--budget", "1MiB"]
+    assert main([*solve_it, "--time-limit", "-1"]) == 1
+    assert "--time-limit: Input should be greater than 0 (got -1.0)" in one_line_error(
+        capsys, "solve")
+    assert main([*solve_it, "--gap", "7"]) == 1
+    assert "--gap: Input should be less than or equal to 1" in one_line_error(capsys, "solve")
+
+    broken = workdir / "broken.graph.json"
+    broken.write_text('{"schema_version": 2, "name": "x"}')
+    assert main(["solve", str(broken), "--budget", "1MiB"]) == 1
+    assert f"{broken} is not a valid cost graph: " in one_line_error(capsys, "solve")
+    assert main(["explain", str(graph_file)]) == 1
+    assert "is a cost graph, not a plan" in one_line_error(capsys, "explain")
+
+    plan = workdir / "a.plan.json"
+    assert main([*solve_it[:3], str(max_useful_budget(CostGraph.model_validate_json(
+        graph_file.read_bytes()))), "-o", str(plan)]) == 0
+    capsys.readouterr()
+    assert main(["frontier", str(plan)]) == 1
+    assert "is a plan, not a cost graph" in one_line_error(capsys, "frontier")
+
+
+def test_invalid_service_settings_are_one_line_naming_the_variable(
+        monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    monkeypatch.setenv("OPTIREMAT_PORT", "eighty")
+    assert main(["serve"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("optiremat serve: invalid setting OPTIREMAT_PORT (--port): ")
+    assert "(got 'eighty')" in err and err.count("\n") == 1
+
+
 def test_explain_lists_saved_values_with_sources_bytes_and_flops(
         graph_file: Path, workdir: Path, capsys: pytest.CaptureFixture[str]) -> None:
     graph = CostGraph.model_validate_json(graph_file.read_bytes())
@@ -193,6 +247,23 @@ def test_frontier_prints_the_sweep_and_plots_it(
     assert sum(" optimal" in line for line in text.splitlines()) >= 4
     width, height = png_size(plot)
     assert width > 400 and height > 300
+
+
+def test_frontier_says_why_it_has_more_rows_than_points(
+        workdir: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    graph_path = workdir / "rows.graph.json"
+    assert main(["extract", f"{REPO / 'examples' / 'scan_jax.py'}:loss", "-o",
+                 str(graph_path)]) == 0
+    capsys.readouterr()
+    assert main(["frontier", str(graph_path), "--points", "4"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    rows = [line for line in lines if " optimal" in line]
+    extra = len(rows) - 4
+    assert extra > 0 and lines[0] == (
+        f"4 evenly spaced budgets and {extra} more at the budgets marked 'at': a built-in "
+        "policy's bytes, or where a lever starts to fit")
+    assert sum("(at " in row for row in rows) >= extra
+    assert any("(at nothing_saveable" in row for row in rows)
 
 
 def test_frontier_of_a_function_marks_every_builtin(

@@ -152,3 +152,47 @@ def test_compose_runs_redis_with_a_volume_an_api_and_workers() -> None:
     for name in ("api", "worker"):
         assert services[name]["environment"]["OPTIREMAT_REDIS_URL"] == "redis://redis:6379/0"
     assert services["worker"]["command"] == ["worker"]
+
+
+def apt_mirror(apt_dir: Path) -> subprocess.CompletedProcess[str]:
+    """smoke.sh's apt_mirror, run alone under the script's own shell options."""
+    script = (DOCKER / "smoke.sh").read_text()
+    function = re.search(r"^apt_mirror\(\) \{\n.*?^\}\n", script, re.M | re.S)
+    assert function is not None
+    return subprocess.run(["bash", "-c", f"set -euo pipefail\n{function.group(0)}"
+                           f'apt_mirror "{apt_dir}"'], text=True, capture_output=True)
+
+
+DEB822 = """Types: deb
+URIs: http://mirror.example/debian
+Suites: bookworm bookworm-updates
+Components: main
+
+Types: deb
+URIs: http://mirror.example/debian-security
+Suites: bookworm-security
+Components: main
+"""
+
+
+@pytest.mark.parametrize("layout", ["deb822", "one-line", "both", "security only", "none"])
+def test_smoke_finds_the_mirror_in_either_apt_sources_format(tmp_path: Path,
+                                                             layout: str) -> None:
+    parts = tmp_path / "sources.list.d"
+    parts.mkdir()
+    if layout in ("deb822", "both"):
+        (parts / "debian.sources").write_text(DEB822)
+    if layout in ("one-line", "both"):
+        (tmp_path / "sources.list").write_text(
+            "# a comment\ndeb [arch=amd64] http://lines.example/debian bookworm main\n")
+    if layout == "security only":
+        (parts / "security.list").write_text(
+            "deb http://mirror.example/debian-security bookworm-security main\n")
+    result = apt_mirror(tmp_path)
+    expected = {"deb822": "http://mirror.example/debian", "both": "http://mirror.example/debian",
+                "one-line": "http://lines.example/debian"}.get(layout)
+    if expected is None:  # loudly: a message and a failing status, not a silent exit
+        assert result.returncode == 1 and result.stdout == ""
+        assert "no Debian mirror in" in result.stderr and "set DEBIAN_MIRROR" in result.stderr
+    else:
+        assert (result.returncode, result.stdout, result.stderr) == (0, expected + "\n", "")

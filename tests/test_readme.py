@@ -5,6 +5,8 @@ from __future__ import annotations
 import os
 import re
 import runpy
+import subprocess
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -13,6 +15,7 @@ import pytest
 from tests.service_harness import REPO, Server, running_server
 
 BLOCK = re.compile(r"^```python\n(.*?)^```", re.DOTALL | re.MULTILINE)
+SHELL = re.compile(r"^```sh\n(.*?)^```", re.DOTALL | re.MULTILINE)
 
 
 @pytest.fixture(scope="module")
@@ -38,3 +41,26 @@ def test_examples_run(example: str, needs: str, monkeypatch: pytest.MonkeyPatch)
     pytest.importorskip(needs)  # in the dev extra; skipped only where it cannot install
     monkeypatch.chdir(REPO)
     runpy.run_path(os.fspath(REPO / "examples" / example), run_name="__main__")
+
+
+def test_readme_cli_block_runs_as_written_and_its_outputs_are_ignored(tmp_path: Path) -> None:
+    (block,) = [b for b in SHELL.findall((REPO / "README.md").read_text())
+                if "optiremat extract" in b]
+    commands = [line.split("#")[0].strip() for line in block.splitlines() if line.strip()]
+    assert commands and all(c.startswith(".venv/bin/optiremat ") for c in commands)
+    # A repository root of its own: the venv this suite runs in, the examples.
+    (tmp_path / ".venv").mkdir()
+    (tmp_path / ".venv" / "bin").symlink_to(Path(sys.executable).parent)
+    (tmp_path / "examples").symlink_to(REPO / "examples")
+    for command in commands:
+        result = subprocess.run(command, shell=True, cwd=tmp_path, text=True,
+                                capture_output=True, timeout=300)
+        assert result.returncode == 0, f"{command}: {result.stderr}"
+    written = sorted(p.name for p in tmp_path.iterdir() if p.name not in (".venv", "examples"))
+    assert {"loss.graph.json", "plan.json", "frontier.png"} <= set(written)
+    ignored = subprocess.run(["git", "check-ignore", "--no-index", *written], cwd=REPO,
+                             text=True, capture_output=True).stdout.split()
+    assert ignored == written, "README outputs git would list as untracked"
+    for name in ("frontier.png", "levers.png", "x.plan.json"):  # the Python blocks', bench's
+        assert subprocess.run(["git", "check-ignore", "-q", "--no-index", name],
+                              cwd=REPO).returncode == 0, name

@@ -54,6 +54,7 @@ def graph_of_traced(traced: Traced, *, names: bool = False, name: str = "", step
     arguments that get tangents (default: every float argument). ``step_memory``
     travels with the graph, which then plans peak budgets.
     """
+    traced.check_differentiable()
     nonzeros = differentiated_inputs(traced, differentiated)
     jvp, jvp_consts = jx.jvp_jaxpr(traced.closed, nonzeros)
     b = GraphBuilder(name)

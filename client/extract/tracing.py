@@ -6,8 +6,10 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import jax
+import jax.numpy as jnp
 
 import optiremat.client._jax_internals as jx
+from optiremat.client.step import StepError
 
 
 @dataclass(frozen=True)
@@ -21,6 +23,16 @@ class Traced:
     out_tree: object
     num_consts: int
     flat_args: list
+
+    def check_differentiable(self) -> None:
+        """Refuse a function with no floating-point output: ``jax.grad`` rejects it (and
+        the step sums only float outputs), so there is no backward pass to plan."""
+        outs = self.closed.out_avals
+        if not any(jnp.issubdtype(a.dtype, jnp.inexact) for a in outs):
+            found = ", ".join(str(a.str_short()) for a in outs) or "nothing"
+            raise StepError(f"the function returns {found}: no floating-point output to "
+                            "differentiate, so there is no backward pass to plan (return the "
+                            "loss, not an index such as jnp.argmax)")
 
 
 def trace(fun: Callable, args: Sequence, kwargs: dict) -> Traced:

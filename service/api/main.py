@@ -11,6 +11,7 @@ from types import FrameType
 
 from fastapi import FastAPI
 
+from optiremat.service.api.docs import install_docs
 from optiremat.service.api.keys import ApiKeys
 from optiremat.service.api.middleware import BodyDecodingMiddleware, RequestContextMiddleware
 from optiremat.service.api.openapi import install_openapi
@@ -48,6 +49,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         summary="Optimal activation-checkpointing plans for JAX, as a service.",
         version=_version(),
         lifespan=lifespan,
+        docs_url=None,  # install_docs serves it with its own assets
         redoc_url=None,
     )
     app.state.settings = settings
@@ -60,6 +62,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     for module in (solve, jobs, frontier, health):
         app.include_router(module.router)
     install_openapi(app)
+    install_docs(app)
     return app
 
 

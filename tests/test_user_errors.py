@@ -1,0 +1,112 @@
+"""Bad input to the Python API gets a clear error naming what is wrong, before any solve:
+a function with no floating-point output, a scan that runs no iteration, a plan file
+whose decisions do not fit its graph."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import jax.numpy as jnp
+import pytest
+from jax import lax
+
+import optiremat
+from optiremat.client.plan import plan_for
+from optiremat.solver.solve import solve
+
+X = jnp.ones((8, 8))
+WS = jnp.ones((4, 8, 8)) * 0.1
+
+
+def counting_solve(calls: list[int]):
+    """The local solve, counting its calls."""
+    def solve_fn(*args, **kwargs):
+        calls.append(1)
+        return solve(*args, **kwargs)
+    return solve_fn
+
+
+def index_of_largest(ws, x):
+    def layer(h, w):
+        return jnp.tanh(h @ w), None
+    h, _ = lax.scan(layer, x, ws)
+    return jnp.argmax(h)  # an int32 scalar: jax.grad refuses it
+
+
+@pytest.mark.parametrize("memory", ["peak", "residuals"])
+def test_a_function_with_an_integer_output_is_a_step_error_before_any_solve(
+        memory: str) -> None:
+    calls: list[int] = []
+    with pytest.raises(optiremat.StepError, match=r"returns int32\[\]: no floating-point "
+                                                   "output to differentiate"):
+        plan_for(index_of_largest, (WS, X), "1MiB", True, {"memory": memory},
+                 counting_solve(calls))
+    assert calls == []
+    with pytest.raises(optiremat.StepError):
+        optiremat.extract_step(index_of_largest, WS, X)
+    with pytest.raises(optiremat.StepError):
+        optiremat.extract_graph(index_of_largest, WS, X)
+
+
+def test_integer_outputs_next_to_a_float_one_are_planned() -> None:
+    def loss_and_index(ws, x):  # the step differentiates the sum of its float outputs
+        return jnp.sum(jnp.tanh(x @ ws[0])), jnp.argmax(x)
+    plan = optiremat.optimize(loss_and_index, WS, X, budget="1MiB")
+    assert plan.status == "optimal"
+
+
+def empty_stack(ws, x):
+    def layer(h, w):
+        return jnp.tanh(h @ w), None
+    h, _ = lax.scan(layer, x, ws)  # the line the error names
+    return jnp.sum(h)
+
+
+@pytest.mark.parametrize("memory", ["peak", "residuals"])
+def test_a_scan_of_length_zero_is_named_not_a_schema_error(memory: str) -> None:
+    with pytest.raises(optiremat.ExtractionError) as info:
+        optiremat.optimize(empty_stack, jnp.ones((0, 8, 8)), X, budget="1MiB", memory=memory)
+    message = str(info.value)
+    assert f"lax.scan at {__file__}:" in message and "(empty_stack) has length 0" in message
+    assert "pydantic" not in message and "placement.py" not in message
+
+
+@pytest.fixture(scope="module")
+def plan_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    def loss(x):
+        return jnp.sum(jnp.sin(jnp.tanh(x)))
+    plan = optiremat.optimize(loss, X, budget=10**6, memory="residuals")
+    return optiremat.PlanFile.of(plan).write(tmp_path_factory.mktemp("plans") / "plan.json")
+
+
+def test_a_plan_whose_decisions_do_not_fit_its_graph_is_refused(
+        plan_path: Path, tmp_path: Path) -> None:
+    plan = optiremat.load_plan(plan_path)
+    nodes = plan.graph.num_nodes
+    short = plan.solution.model_copy(
+        update={"node_decisions": plan.solution.node_decisions[:-1]})
+    edited = tmp_path / "edited.json"
+    edited.write_text(plan.model_copy(update={"solution": short}).model_dump_json())
+    with pytest.raises(optiremat.PlanFileError) as info:
+        optiremat.load_plan(edited)
+    message = str(info.value)
+    assert message.startswith(f"{edited} is not a valid plan file: ")
+    assert f"node_decisions has {nodes - 1} entries but the graph has {nodes} nodes" in message
+    assert "\n" not in message and "pydantic.dev" not in message
+
+    offloads = plan.solution.model_copy(
+        update={"node_decisions": ["offload"] * nodes})
+    edited.write_text(plan.model_copy(update={"solution": offloads}).model_dump_json())
+    with pytest.raises(optiremat.PlanFileError, match="options have no offload"):
+        optiremat.load_plan(edited)
+
+
+def test_a_graph_or_junk_given_as_a_plan_is_named(plan_path: Path, tmp_path: Path) -> None:
+    graph = tmp_path / "loss.graph.json"
+    graph.write_text(optiremat.load_plan(plan_path).graph.model_dump_json())
+    with pytest.raises(optiremat.PlanFileError, match="is a cost graph, not a plan"):
+        optiremat.load_plan(graph)
+    junk = tmp_path / "junk.json"
+    junk.write_text("{not json")
+    with pytest.raises(optiremat.PlanFileError, match="is not a valid plan file: Invalid JSON"):
+        optiremat.load_plan(junk)
