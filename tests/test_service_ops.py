@@ -91,8 +91,9 @@ def test_each_key_lists_the_jobs_it_submitted_newest_first(keyed: Server) -> Non
         beta = submit("beta", requests[3])
         shared = submit("beta", requests[0])  # alpha's first job, submitted again by beta
         assert shared == alphas[0]
-        for job_id in [*alphas, beta]:
+        for job_id in alphas:
             finished(client, job_id, **as_("alpha"))
+        finished(client, beta, **as_("beta"))
 
         first = page(client, "alpha", limit=2)
         assert [j["id"] for j in first["jobs"]] == alphas[:0:-1]  # newest first
@@ -103,6 +104,29 @@ def test_each_key_lists_the_jobs_it_submitted_newest_first(keyed: Server) -> Non
         assert {j["id"] for j in page(client, "beta")["jobs"]} == {beta, alphas[0]}
         assert page(client, "beta", status="failed")["jobs"] == []
         assert len(page(client, "alpha", status="succeeded")["jobs"]) == 3
+
+
+def test_another_keys_job_is_not_found_by_any_per_job_route(keyed: Server) -> None:
+    blocker = body(tangled(20, 8, seed=5, name="owned"), 10**6, tie=False, time_limit_s=600)
+    with keyed.client() as client:
+        job_id = client.post("/v1/jobs", json=blocker, headers=as_("alpha")).json()["id"]
+        try:
+            for method in ("GET", "DELETE"):
+                response = client.request(method, f"/v1/jobs/{job_id}", headers=as_("beta"))
+                assert response.status_code == 404, (method, response.text)
+                assert response.headers["content-type"] == "application/problem+json"
+                assert response.json()["detail"].startswith(f"no job {job_id!r}")
+            # as absent as a job that never was: the same answer, only the id differs
+            absent = client.get("/v1/jobs/" + "0" * len(job_id), headers=as_("beta")).json()
+            assert absent["detail"].replace("0" * len(job_id), job_id) == response.json()["detail"]
+            assert client.get(f"/v1/jobs/{job_id}", headers=as_("alpha")).json()["status"] in (
+                "queued", "running")  # beta's DELETE cancelled nothing
+        finally:
+            client.delete(f"/v1/jobs/{job_id}", headers=as_("alpha"))
+        # submitting the same request makes beta an owner too
+        assert client.post("/v1/jobs", json=blocker, headers=as_("beta")).json()["id"] == job_id
+        assert client.get(f"/v1/jobs/{job_id}", headers=as_("beta")).status_code == 200
+        client.delete(f"/v1/jobs/{job_id}", headers=as_("beta"))
 
 
 def test_the_status_filter_sees_queued_and_running_jobs(keyed: Server) -> None:
