@@ -63,11 +63,12 @@ from optiremat.solver.offload import (
 )
 from optiremat.solver.reduction import bounds, dominated_choices
 from optiremat.solver.semantics import Evaluation, baseline_backward_flops, evaluate
+from optiremat.solver.validation import INT_BOUND
 
 # (variable index, polarity): (3, True) is x3, (3, False) is "not x3".
 Lit = tuple[int, bool]
 
-INT64_SAFE = 2**62  # CP-SAT rejects linear expressions whose extremes may overflow int64
+INT64_SAFE = INT_BOUND  # CP-SAT rejects linear expressions whose extremes may overflow int64
 
 
 @dataclass(frozen=True)

@@ -4,15 +4,16 @@ from solver/; the resources the run layer returns (jobs, frontiers) from
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Literal
+from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictInt, model_validator
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from optiremat.solver.graph import CostGraph, GraphBuilder
 from optiremat.solver.peak import resolve_memory
 from optiremat.solver.solution import SolveOptions
+from optiremat.solver.validation import BoundedInt as NonNegInt
+from optiremat.solver.validation import check_offload_prices
 
-NonNegInt = Annotated[StrictInt, Field(ge=0)]
 MAX_FRONTIER_POINTS = 64
 
 
@@ -47,6 +48,8 @@ class SolveRequest(BaseModel):
     @model_validator(mode="after")
     def _memory_fits_the_graph(self) -> SolveRequest:
         resolve_memory(self.graph, self.options.memory)  # a clear 422 before any solve
+        if self.options.offload is not None:
+            check_offload_prices(self.graph, self.options.offload)
         return self
 
 
@@ -71,6 +74,8 @@ class FrontierRequest(BaseModel):
     @model_validator(mode="after")
     def _budgets_or_count(self) -> FrontierRequest:
         resolve_memory(self.graph, self.options.memory)
+        if self.options.offload is not None:
+            check_offload_prices(self.graph, self.options.offload)
         if (self.budgets is None) == (self.count is None):
             raise ValueError("give exactly one of 'budgets' (a list) or 'count' (an integer)")
         return self
