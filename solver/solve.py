@@ -24,7 +24,7 @@ from optiremat.solver.search import ProgressCallback, Search, search_for
 from optiremat.solver.semantics import evaluate
 from optiremat.solver.solution import Backend, Solution, SolveOptions
 from optiremat.solver.step import Memory
-from optiremat.solver.validation import check_budget, check_offload_prices
+from optiremat.solver.validation import check_budget
 
 __all__ = ["ProgressCallback", "BudgetSeries", "max_useful_budget", "min_feasible_budget",
            "resolve_options", "solve", "solve_from"]
@@ -53,8 +53,6 @@ def solve(
     started = time.monotonic()
     options = resolve_options(options, overrides)
     check_budget(budget_bytes)
-    if options.offload is not None:
-        check_offload_prices(graph, options.offload)
     options = canonical_options(graph, options)
     if groups is None and nests(graph, resolve_memory(graph, options.memory), options):
         return choose_groups(graph, budget_bytes, options, lambda g: solve(

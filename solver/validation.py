@@ -2,14 +2,12 @@
 
 from __future__ import annotations
 
-from fractions import Fraction
 from typing import TYPE_CHECKING, Annotated, Any
 
 from pydantic import Field, StrictInt
 
 if TYPE_CHECKING:
     from optiremat.solver.graph import CostGraph
-    from optiremat.solver.offload import OffloadOptions
     from optiremat.solver.step import StepMemory
 
 # CP-SAT holds int64 and rejects a linear expression whose extremes may overflow it: every
@@ -21,6 +19,11 @@ BoundedInt = Annotated[StrictInt, Field(ge=0, lt=INT_BOUND)]
 
 class GraphError(ValueError):
     """A cost graph that breaks the schema; the message names the node or value."""
+
+
+class OutOfRangeError(ValueError):
+    """A request whose sums the solver's 64-bit integers cannot hold (offload prices
+    found so while the formulation is built); the message names the fields."""
 
 
 def _fail(msg: str) -> None:
@@ -196,22 +199,6 @@ def check_budget(budget_bytes: int, name: str = "budget_bytes") -> None:
     if budget_bytes >= INT_BOUND:
         raise ValueError(f"{name} is {_short(budget_bytes)}; it must be below 2**62 bytes "
                          "(4 EiB), what the solver's 64-bit integers hold")
-
-
-def check_offload_prices(g: CostGraph, offload: OffloadOptions) -> None:
-    """The offload objective prices a FLOP as ``host_bandwidth`` ticks and a byte over
-    the link as ``device_flop_rate`` (both divided by their gcd): with every byte and
-    FLOP of the graph counted in each of the formulation's rows (a margin of 4), that
-    must stay within 64 bits. Round rates (25e9 B/s, 4e14 FLOP/s) leave room for
-    graphs of petabytes."""
-    rate = Fraction(offload.device_flop_rate, offload.host_bandwidth)
-    bytes_total = sum(g.value_bytes) + sum(g.value_extra_bytes or ())
-    worst = 4 * (2 * bytes_total * rate.numerator + 3 * sum(g.node_flops) * rate.denominator)
-    if worst >= INT_BOUND:
-        _fail(f"options.offload: device_flop_rate / host_bandwidth = {offload.device_flop_rate}"
-              f" / {offload.host_bandwidth} prices this graph's transfers past the solver's "
-              "64-bit integers; choose rates with a larger common divisor (round numbers, "
-              "e.g. 25e9 and 4e14)")
 
 
 def check_graph(g: CostGraph) -> None:

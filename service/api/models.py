@@ -12,7 +12,6 @@ from optiremat.solver.graph import CostGraph, GraphBuilder
 from optiremat.solver.peak import resolve_memory
 from optiremat.solver.solution import SolveOptions
 from optiremat.solver.validation import BoundedInt as NonNegInt
-from optiremat.solver.validation import check_offload_prices
 
 MAX_FRONTIER_POINTS = 64
 
@@ -48,8 +47,6 @@ class SolveRequest(BaseModel):
     @model_validator(mode="after")
     def _memory_fits_the_graph(self) -> SolveRequest:
         resolve_memory(self.graph, self.options.memory)  # a clear 422 before any solve
-        if self.options.offload is not None:
-            check_offload_prices(self.graph, self.options.offload)
         return self
 
 
@@ -74,8 +71,6 @@ class FrontierRequest(BaseModel):
     @model_validator(mode="after")
     def _budgets_or_count(self) -> FrontierRequest:
         resolve_memory(self.graph, self.options.memory)
-        if self.options.offload is not None:
-            check_offload_prices(self.graph, self.options.offload)
         if (self.budgets is None) == (self.count is None):
             raise ValueError("give exactly one of 'budgets' (a list) or 'count' (an integer)")
         return self

@@ -106,8 +106,8 @@ def job_view(record: JobRecord, outcome: Outcome | None, running: bool = False) 
         elif isinstance(outcome, Infeasible):
             error = Problem.infeasible(outcome.budget_bytes, outcome.min_budget_bytes)
         else:
-            error = Problem.solve_failed(
-                outcome.message if isinstance(outcome, Failed) else repr(outcome))
+            error = (Problem.failed(outcome.message, outcome.invalid)
+                     if isinstance(outcome, Failed) else Problem.solve_failed(repr(outcome)))
     return Job(
         **job_summary(record, status).model_dump(),
         solution=None if solution is None else Solution.model_validate_json(solution.solution_json),
