@@ -190,6 +190,28 @@ def test_over_its_rate_limit_a_key_gets_429_with_retry_after(limited: Server) ->
         assert metric(client, 'optiremat_rejected_requests_total{reason="rate_limit"}') == 2
 
 
+def statuses_with_forwarded_for(server: Server, name: str) -> list[int]:
+    """Five solves from loopback, each claiming another client in X-Forwarded-For."""
+    with server.client() as client:
+        return [client.post("/v1/solve", json=body(chain(3 + i, name=f"{name}-{i}"), 10**9),
+                            headers={"X-Forwarded-For": f"203.0.113.{i}"}).status_code
+                for i in range(5)]
+
+
+@pytest.mark.parametrize(("trusted", "statuses"), [
+    (None, [200, 200, 200, 429, 429]),  # the default trusts no proxy: one bucket, loopback's
+    ("127.0.0.1", [200] * 5),  # a trusted proxy names each client: five buckets
+])
+def test_x_forwarded_for_picks_a_rate_limit_bucket_only_from_a_trusted_proxy(
+        tmp_path_factory: pytest.TempPathFactory, trusted: str | None,
+        statuses: list[int]) -> None:
+    settings = {"workers": "1", "rate_limit_per_minute": "3"}
+    if trusted is not None:
+        settings["forwarded_allow_ips"] = trusted
+    for server in running_server(tmp_path_factory, **settings):
+        assert statuses_with_forwarded_for(server, f"xff-{trusted}") == statuses
+
+
 @pytest.fixture(scope="module")
 def short_queue(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
     yield from running_server(tmp_path_factory, workers="1", max_queued_jobs="1")
@@ -213,3 +235,12 @@ def test_past_its_bound_the_queue_answers_503_and_takes_work_again_after(
         again = client.post("/v1/jobs", json=body(chain(5, name="q2"), 10**9))
         assert again.status_code in (200, 202), again.text
         assert metric(client, 'optiremat_rejected_requests_total{reason="queue_full"}') == 1
+    # the 503 is logged at error level with its request id and what went wrong; the rest
+    # at info (/readyz answered 503 too, while the server started)
+    lines = [r for r in short_queue.log_records()
+             if r.get("logger") == "optiremat.access" and r["path"] == "/v1/jobs"]
+    errors = [r for r in lines if r["level"] == "error"]
+    assert [(r["request_id"], r["status"]) for r in errors] == [
+        (refused.headers["X-Request-ID"], 503)]
+    assert "OPTIREMAT_MAX_QUEUED_JOBS=1" in errors[0]["detail"]
+    assert {r["level"] for r in lines if r["status"] < 500} == {"info"}

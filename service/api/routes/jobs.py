@@ -50,7 +50,7 @@ async def submit_job(request: Request, response: Response, settings: SettingsDep
                      front: FrontDep) -> Job:
     """Queue the solve; ``Location`` names the job. Submitting the same request again
     returns the same job (a failed or cancelled one is started again)."""
-    body = await parse_body(SolveRequest, await request.body())
+    body = await parse_body(request, SolveRequest, await request.body())
     check_graph_size(body.graph, settings)
     options = cap_time_limit(body.options, settings.job_time_limit_s)
     job = await front.submit_job(body.graph, body.budget_bytes, options,
