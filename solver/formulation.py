@@ -63,11 +63,12 @@ from optiremat.solver.offload import (
 )
 from optiremat.solver.reduction import bounds, dominated_choices
 from optiremat.solver.semantics import Evaluation, baseline_backward_flops, evaluate
+from optiremat.solver.validation import INT_BOUND, OutOfRangeError
 
 # (variable index, polarity): (3, True) is x3, (3, False) is "not x3".
 Lit = tuple[int, bool]
 
-INT64_SAFE = 2**62  # CP-SAT rejects linear expressions whose extremes may overflow int64
+INT64_SAFE = INT_BOUND  # CP-SAT rejects linear expressions whose extremes may overflow int64
 
 
 @dataclass(frozen=True)
@@ -512,7 +513,8 @@ def _time_sum(
     largest = sum(abs(c) for _, c in cost.terms) + sum(upper.values())
     largest += sum(abs(row.constant) + sum(abs(c) for _, c in row.terms) for row in rows)
     if largest >= INT64_SAFE:
-        raise ValueError(
-            "the offload objective does not fit 64-bit integers: choose host_bandwidth and "
-            "device_flop_rate with a larger common divisor (round numbers, e.g. 25e9 and 4e14)")
+        raise OutOfRangeError(
+            "options.offload: the offload objective does not fit 64-bit integers: choose "
+            "host_bandwidth and device_flop_rate with a larger common divisor (round numbers, "
+            "e.g. 25e9 and 4e14)")
     return cost, tuple(upper.items()), rows

@@ -31,6 +31,7 @@ from typing import Annotated, Any
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, StrictStr, model_validator
 
 from optiremat.solver.step import StepMemory
+from optiremat.solver.validation import BoundedInt as NonNegInt
 from optiremat.solver.validation import GraphError as GraphError  # re-exported
 from optiremat.solver.validation import check_graph, check_raw_columns
 
@@ -38,7 +39,6 @@ SCHEMA_VERSION = 2
 # Version 1 graphs (no step, no regions) are read unchanged: they plan residual budgets.
 READABLE_VERSIONS = (1, 2)
 
-NonNegInt = Annotated[StrictInt, Field(ge=0)]
 
 
 class NodeMode(StrEnum):
@@ -65,7 +65,7 @@ class CostGraph(BaseModel):
     node_key: list[StrictStr]
     node_flops: list[NonNegInt]
     node_mode: list[NodeMode]
-    node_repeat: list[Annotated[StrictInt, Field(ge=1)]]
+    node_repeat: list[Annotated[StrictInt, Field(ge=1, lt=2**31)]]
     node_source: list[StrictStr]
     input_ptr: list[NonNegInt]
     input_ids: list[NonNegInt]
@@ -87,7 +87,7 @@ class CostGraph(BaseModel):
     # ``optiremat.solver.peak``) and, per node, the index of the region in
     # ``step.regions`` it belongs to (-1: outside every region).
     step: StepMemory | None = Field(default=None, exclude_if=lambda v: v is None)
-    node_region: list[Annotated[StrictInt, Field(ge=-1)]] | None = Field(
+    node_region: list[Annotated[StrictInt, Field(ge=-1, lt=2**31)]] | None = Field(
         default=None, exclude_if=lambda v: v is None
     )
     # Version 2, peak budgets only: per value, the bytes it costs on the device as a
@@ -97,7 +97,7 @@ class CostGraph(BaseModel):
         default=None, exclude_if=lambda v: v is None
     )
     # Version 2: per value, the region whose scan stacks it over its layers (-1: none).
-    value_region: list[Annotated[StrictInt, Field(ge=-1)]] | None = Field(
+    value_region: list[Annotated[StrictInt, Field(ge=-1, lt=2**31)]] | None = Field(
         default=None, exclude_if=lambda v: v is None
     )
 

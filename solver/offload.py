@@ -43,6 +43,7 @@ from pydantic import BaseModel, ConfigDict, Field, StrictInt
 
 from optiremat.solver.graph import CostGraph
 from optiremat.solver.semantics import Evaluation, baseline_evaluation, evaluate
+from optiremat.solver.validation import INT_BOUND
 
 TRANSFERS_PER_BYTE = 2  # device -> host in the forward pass, host -> device in the backward
 # A layer's backward pass runs about twice its forward FLOPs (a matmul's two
@@ -64,9 +65,11 @@ class OffloadOptions(BaseModel):
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
-    host_budget_bytes: StrictInt = Field(default=DEFAULT_HOST_BUDGET, ge=0)
-    host_bandwidth: StrictInt = Field(default=DEFAULT_HOST_BANDWIDTH, gt=0)  # bytes/s
-    device_flop_rate: StrictInt = Field(default=DEFAULT_DEVICE_FLOP_RATE, gt=0)  # FLOP/s
+    host_budget_bytes: StrictInt = Field(default=DEFAULT_HOST_BUDGET, ge=0, lt=INT_BOUND)
+    host_bandwidth: StrictInt = Field(default=DEFAULT_HOST_BANDWIDTH, gt=0,
+                                      lt=INT_BOUND)  # bytes/s
+    device_flop_rate: StrictInt = Field(default=DEFAULT_DEVICE_FLOP_RATE, gt=0,
+                                        lt=INT_BOUND)  # FLOP/s
 
     @property
     def flops_per_transfer_byte(self) -> Fraction:

@@ -24,6 +24,7 @@ from optiremat.solver.search import ProgressCallback, Search, search_for
 from optiremat.solver.semantics import evaluate
 from optiremat.solver.solution import Backend, Solution, SolveOptions
 from optiremat.solver.step import Memory
+from optiremat.solver.validation import check_budget
 
 __all__ = ["ProgressCallback", "BudgetSeries", "max_useful_budget", "min_feasible_budget",
            "resolve_options", "solve", "solve_from"]
@@ -51,8 +52,7 @@ def solve(
     """
     started = time.monotonic()
     options = resolve_options(options, overrides)
-    if isinstance(budget_bytes, bool) or not isinstance(budget_bytes, int) or budget_bytes < 0:
-        raise ValueError(f"budget_bytes must be a non-negative integer, got {budget_bytes!r}")
+    check_budget(budget_bytes)
     options = canonical_options(graph, options)
     if groups is None and nests(graph, resolve_memory(graph, options.memory), options):
         return choose_groups(graph, budget_bytes, options, lambda g: solve(

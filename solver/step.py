@@ -10,9 +10,10 @@ from __future__ import annotations
 from enum import StrEnum
 from typing import Annotated
 
-from pydantic import BaseModel, ConfigDict, Field, StrictInt, StrictStr
+from pydantic import BaseModel, ConfigDict, Field, StrictInt, StrictStr, model_validator
 
-NonNegInt = Annotated[StrictInt, Field(ge=0)]
+from optiremat.solver.validation import BoundedInt as NonNegInt
+from optiremat.solver.validation import check_step
 
 
 class Memory(StrEnum):
@@ -26,7 +27,7 @@ class RegionMemory(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
 
     source: StrictStr  # where the scan is in the user's code
-    length: Annotated[StrictInt, Field(ge=1)]  # layers: iterations of the scan
+    length: Annotated[StrictInt, Field(ge=1, lt=2**31)]  # layers: iterations of the scan
     working_bytes: NonNegInt  # one layer's backward working set, measured
     # What nesting the layers in groups (``solver.nesting``) trades: one layer's input
     # (the scan's carry), and one layer's slice of the stacked operands and of their
@@ -52,6 +53,11 @@ class StepMemory(BaseModel):
     # backward pass, as it did then (``optiremat.solver.peak.step_phases``).
     outside_working_bytes: NonNegInt | None = Field(default=None,
                                                    exclude_if=lambda v: v is None)
+
+    @model_validator(mode="after")
+    def _aliases_within_held(self) -> StepMemory:
+        check_step(self)
+        return self
 
     @property
     def held_bytes(self) -> int:

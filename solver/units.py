@@ -28,7 +28,10 @@ def parse_bytes(budget: int | str) -> int:
         raise ValueError(
             f"cannot read {budget!r} as bytes; write an int or a number with one of the units "
             "B, KB, MB, GB, TB, KiB, MiB, GiB, TiB")
-    return int(float(match.group(1).replace("_", "")) * _UNITS[unit])
+    number = match.group(1).replace("_", "")
+    if "." not in number:  # exact: a float would round 10**29 to 99999999999999991433150857216
+        return int(number) * _UNITS[unit]
+    return int(float(number) * _UNITS[unit])
 
 
 def format_bytes(n: int) -> str:

@@ -2,14 +2,28 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Annotated, Any
+
+from pydantic import Field, StrictInt
 
 if TYPE_CHECKING:
     from optiremat.solver.graph import CostGraph
+    from optiremat.solver.step import StepMemory
+
+# CP-SAT holds int64 and rejects a linear expression whose extremes may overflow it: every
+# integer a request carries (bytes, FLOPs, rates, budgets), and every sum the formulation
+# builds from them, stays below 2**62. (Far above any real step: 4 EiB, 4.6e18 FLOPs.)
+INT_BOUND = 2**62
+BoundedInt = Annotated[StrictInt, Field(ge=0, lt=INT_BOUND)]
 
 
 class GraphError(ValueError):
     """A cost graph that breaks the schema; the message names the node or value."""
+
+
+class OutOfRangeError(ValueError):
+    """A request whose sums the solver's 64-bit integers cannot hold (offload prices
+    found so while the formulation is built); the message names the fields."""
 
 
 def _fail(msg: str) -> None:
@@ -141,9 +155,50 @@ def check_raw_columns(data: dict[str, Any]) -> None:
             continue
         ids = ids if isinstance(ids, list) else []
         for i, entry in enumerate(entries):
-            if isinstance(entry, bool) or not isinstance(entry, int) or entry < least:
+            if (isinstance(entry, bool) or not isinstance(entry, int) or entry < least
+                    or entry >= INT_BOUND):
                 who = f"{kind} {ids[i]!r}" if i < len(ids) else f"{column} position {i}"
-                _fail(f"{who} has {what} {entry!r}; {what} must be an integer >= {least}")
+                _fail(f"{who} has {what} {_short(entry)}; {what} must be an integer >= {least} "
+                      f"and < 2**62")
+
+
+def _short(entry: object) -> str:
+    """An entry as a message shows it: a 300-digit integer by its size, not its digits."""
+    text = repr(entry)
+    if isinstance(entry, int) and not isinstance(entry, bool) and len(text) > 24:
+        return f"{text[:8]}...({len(text)} digits)"
+    return text
+
+
+def _check_sum(what: str, total: int) -> None:
+    if total >= INT_BOUND:
+        _fail(f"the graph's {what} add up to {_short(total)} (about 2**{total.bit_length() - 1}); "
+              "they must stay below 2**62, what the solver's 64-bit integers hold")
+
+
+def _check_totals(g: CostGraph) -> None:
+    """The sums the formulation builds stay within 64 bits: every residual at once plus
+    what the step holds, and every FLOP recomputed at once."""
+    held = 0 if g.step is None else g.step.held_bytes + g.step.working_bytes
+    _check_sum("bytes (value_bytes, value_extra_bytes and the step's held and working bytes)",
+               sum(g.value_bytes) + sum(g.value_extra_bytes or ()) + held)
+    _check_sum("FLOPs (node_flops)", sum(g.node_flops))
+
+
+def check_step(step: StepMemory) -> None:
+    """What a step holds is never negative: aliases are arguments that are also outputs."""
+    if step.alias_bytes > step.argument_bytes + step.output_bytes:
+        _fail(f"step.alias_bytes ({step.alias_bytes}) exceeds step.argument_bytes + "
+              f"step.output_bytes ({step.argument_bytes} + {step.output_bytes}): aliased "
+              "bytes are arguments that are also outputs")
+
+
+def check_budget(budget_bytes: int, name: str = "budget_bytes") -> None:
+    if isinstance(budget_bytes, bool) or not isinstance(budget_bytes, int) or budget_bytes < 0:
+        raise ValueError(f"{name} must be a non-negative integer, got {budget_bytes!r}")
+    if budget_bytes >= INT_BOUND:
+        raise ValueError(f"{name} is {_short(budget_bytes)}; it must be below 2**62 bytes "
+                         "(4 EiB), what the solver's 64-bit integers hold")
 
 
 def check_graph(g: CostGraph) -> None:
@@ -151,3 +206,4 @@ def check_graph(g: CostGraph) -> None:
     _check_ids(g)
     _check_producers(g)
     _check_acyclic(g)
+    _check_totals(g)

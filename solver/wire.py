@@ -66,6 +66,15 @@ class Problem(BaseModel):
     def solve_failed(cls, message: str) -> Problem:
         return cls(type=SOLVE_FAILED, title="Solve failed", status=500, detail=message)
 
+    @classmethod
+    def failed(cls, message: str, invalid: bool) -> Problem:
+        """A run that failed: the request's fault (422) when ``invalid``, else the
+        solver's (500)."""
+        if invalid:
+            return cls(type=INVALID_REQUEST, title="Invalid request", status=422,
+                       detail=message)
+        return cls.solve_failed(message)
+
 
 class JobStatus(StrEnum):
     QUEUED = "queued"

@@ -40,6 +40,7 @@ class Server:
     port: int = field(default_factory=free_port)
     process: subprocess.Popen[bytes] | None = None
     wrap: list[str] = field(default_factory=list)  # a command that execs the server
+    own_group: bool = False  # lead a process group, as a terminal's or systemd's job does
 
     @property
     def url(self) -> str:
@@ -59,6 +60,7 @@ class Server:
                 [*self.wrap, sys.executable, "-m", "optiremat", "serve",
                  "--host", "127.0.0.1", "--port", str(self.port)],
                 cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT,
+                start_new_session=self.own_group,
             )
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:

@@ -212,6 +212,14 @@ def test_invalid_service_settings_are_one_line_naming_the_variable(
     assert "(got 'eighty')" in err and err.count("\n") == 1
 
 
+def test_a_budget_past_what_the_solver_holds_is_one_clear_line_and_exit_1(
+        graph_file: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["solve", str(graph_file), "--budget", "100000000000000000000000000000"]) == 1
+    err = capsys.readouterr().err
+    assert err == ("optiremat solve: budget_bytes is 10000000...(30 digits); it must be below "
+                   "2**62 bytes (4 EiB), what the solver's 64-bit integers hold\n")
+
+
 def test_explain_lists_saved_values_with_sources_bytes_and_flops(
         graph_file: Path, workdir: Path, capsys: pytest.CaptureFixture[str]) -> None:
     graph = CostGraph.model_validate_json(graph_file.read_bytes())

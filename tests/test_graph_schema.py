@@ -13,6 +13,8 @@ from collections.abc import Callable
 import pytest
 
 from optiremat.solver import SCHEMA_VERSION, CostGraph, GraphBuilder
+from optiremat.solver.offload import OffloadOptions
+from optiremat.solver.solve import solve
 
 
 def base() -> dict:
@@ -124,6 +126,27 @@ MALFORMED = {
         _with_step(node_region=[0, 1]), r"node 101 is in region 1, but the step has 1"),
     "region column too short": (
         _with_step(value_region=[0, -1]), r"value_region has 2 entries, there are 4 values"),
+    # what the solver's 64-bit integers hold: each entry, and the sums the formulation builds
+    "bytes past int64": (_set("value_bytes", [8, 10**300, 16, 4]),
+                         r"value 11 has bytes 10000000\.\.\.\(301 digits\).*< 2\*\*62"),
+    "flops past int64": (_set("node_flops", [4, 2**70]), r"node 101 has flops .*< 2\*\*62"),
+    "bytes adding up past int64": (_set("value_bytes", [2**61] * 4),
+                                   r"bytes .* add up to .*below 2\*\*62"),
+    "flops adding up past int64": (_set("node_flops", [2**61, 2**61]),
+                                   r"FLOPs \(node_flops\) add up to"),
+    "held bytes adding up past int64": (
+        _with_step(node_region=[-1, -1], value_region=[-1] * 4,
+                   step={"argument_bytes": 2**61, "output_bytes": 2**61}),
+        r"bytes .* add up to"),
+    "working bytes past int64": (
+        _with_step(node_region=[0, -1], value_region=[0, -1, -1, -1],
+                   step={"argument_bytes": 8, "output_bytes": 8, "regions": [
+                       {"source": "s", "length": 2, "working_bytes": 2**80}]}),
+        r"working_bytes\s+Input should be less than 4611686018427387904"),
+    "aliases above arguments and outputs": (
+        _with_step(node_region=[-1, -1], value_region=[-1] * 4,
+                   step={"argument_bytes": 8, "output_bytes": 8, "alias_bytes": 17}),
+        r"step.alias_bytes \(17\) exceeds step.argument_bytes \+ step.output_bytes"),
 }
 
 
@@ -139,3 +162,17 @@ def test_malformed_graph_is_rejected_naming_the_offender(case: str, wire: bool) 
             CostGraph.model_validate_json(json.dumps(data))
         else:
             CostGraph.model_validate(data)
+
+
+@pytest.mark.parametrize(("budget", "offload", "message"), [
+    (10**29, None, r"^budget_bytes is 10000000\.\.\.\(30 digits\); it must be below 2\*\*62"),
+    (2**62, None, r"^budget_bytes is 4611686018427387904; it must be below 2\*\*62"),
+    (10**6, OffloadOptions(host_bandwidth=7, device_flop_rate=10**18),
+     r"^options.offload: the offload objective does not fit 64-bit integers"),
+])
+def test_a_solve_past_what_64_bit_integers_hold_is_one_clear_line(
+        budget: int, offload: OffloadOptions | None, message: str) -> None:
+    graph = CostGraph.model_validate(base())
+    with pytest.raises(ValueError, match=message) as error:
+        solve(graph, budget, offload=offload)
+    assert "\n" not in str(error.value)

@@ -193,16 +193,17 @@ def test_the_event_loop_answers_while_a_large_graph_is_checked(server: Server) -
     with concurrent.futures.ThreadPoolExecutor(1) as pool, server.client() as client:
         upload = pool.submit(client.post, "/v1/solve", content=big,
                              headers={"Content-Type": "application/json"})
-        probes = []
+        answered_meanwhile = 0
         while not upload.done():
-            started = time.perf_counter()
-            assert client.get("/healthz").status_code == 200
-            probes.append(time.perf_counter() - started)
-            time.sleep(0.05)
+            probe = client.get("/healthz")  # one at a time: each answered before the next
+            assert probe.status_code == 200
+            answered_meanwhile += not upload.done()
+            time.sleep(0.01)
         assert "cycle" in upload.result().json()["detail"]
-    # In the loop, the check would stall every probe for its whole ~1 s; in a thread
-    # the loop gets the GIL back between Python steps.
-    assert len(probes) >= 5 and max(probes) < 0.6, probes
+    # In the event loop the check would hold every probe until it ended (one or two
+    # answered meanwhile, during the upload); in a thread the loop answers each probe
+    # while it runs, whatever the machine's load. How fast: bench/service_caps.py.
+    assert answered_meanwhile >= 10, answered_meanwhile
 
 
 def test_health_readiness_and_metrics(client: httpx.Client) -> None:

@@ -255,6 +255,8 @@ def test_redis_lists_a_keys_jobs_newest_first_a_page_at_a_time(
     assert keys("beta") == [runs[0].key]
     assert keys("alpha", status=JobStatus.FAILED) == [runs[1].key]
     assert keys(None, status=JobStatus.QUEUED) == [k for k in newest_first if k != runs[1].key]
+    assert store.owns("alpha", runs[1].key) and store.owns("beta", runs[0].key)
+    assert not store.owns("beta", runs[1].key) and not store.owns("alpha", runs[4].key)
 
     first, after = store.list_jobs("alpha", None, None, 3)
     assert after is not None and [job.key for job in first] == newest_first[1:4]

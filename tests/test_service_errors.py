@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import gzip
 import json
+import socket
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -16,12 +17,14 @@ from optiremat.solver.solve import min_feasible_budget
 from tests.service_harness import Server, body, chain, running_server
 
 MAX_BODY = 200_000
+BODY_TIMEOUT_S = 2
 
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
     yield from running_server(tmp_path_factory, workers="1", max_body_bytes=str(MAX_BODY),
-                              max_graph_nodes="300")
+                              max_graph_nodes="300", max_graph_values="600",
+                              body_timeout_s=str(BODY_TIMEOUT_S))
 
 
 @pytest.fixture(scope="module")
@@ -70,6 +73,39 @@ BAD_INPUTS = [
                                   "budget_bytes": 10**6}), 422, ["value 1", "bytes"]),
     ("negative budget", post_json({"graph": graph_json(), "budget_bytes": -1}), 422,
      ["budget_bytes"]),
+    # past what the solver's 64-bit integers hold: each integer, and the sums it builds
+    ("budget past int64", post_json({"graph": graph_json(), "budget_bytes": 10**29}), 422,
+     ["budget_bytes", "less than 4611686018427387904"]),
+    ("budget of 400 digits", post_json({"graph": graph_json(), "budget_bytes": 10**400}), 422,
+     ["budget_bytes"]),
+    ("bytes past int64", post_json({"graph": graph_json(value_bytes=[10**300, 1, 1, 1, 1]),
+                                    "budget_bytes": 10**6}), 422,
+     ["value 0", "bytes", "301 digits", "2**62"]),
+    ("flops past int64", post_json({"graph": graph_json(node_flops=[2**70, 1, 1, 1]),
+                                    "budget_bytes": 10**6}), 422, ["node 0", "flops", "2**62"]),
+    ("bytes that add up past int64",
+     post_json({"graph": graph_json(value_bytes=[2**61] * 5), "budget_bytes": 10**6}), 422,
+     ["bytes", "add up", "2**62"]),
+    ("flops that add up past int64",
+     post_json({"graph": graph_json(node_flops=[2**61] * 4), "budget_bytes": 10**6}), 422,
+     ["FLOPs", "add up", "2**62"]),
+    ("working bytes past int64",
+     post_json({"graph": graph_json(step={"argument_bytes": 0, "output_bytes": 0, "regions": [
+         {"source": "s", "length": 1, "working_bytes": 2**80}]}, node_region=[-1] * 4,
+         value_region=[-1] * 5), "budget_bytes": 10**6}), 422,
+     ["graph.step.regions.0.working_bytes", "less than 4611686018427387904"]),
+    ("aliases above arguments and outputs",
+     post_json({"graph": graph_json(step={"argument_bytes": 10, "output_bytes": 5,
+                                          "alias_bytes": 10**12}, node_region=[-1] * 4,
+                                    value_region=[-1] * 5), "budget_bytes": 10**6}), 422,
+     ["step.alias_bytes", "exceeds"]),
+    ("offload prices past int64",
+     post_json({"graph": graph_json(), "budget_bytes": 10**6, "options": {
+         "offload": {"host_bandwidth": 7, "device_flop_rate": 10**18}}}), 422,
+     ["device_flop_rate", "host_bandwidth", "64-bit"]),
+    ("a frontier budget past int64",
+     lambda c: c.post("/v1/frontier", json={"graph": graph_json(), "budgets": [10**29]}), 422,
+     ["budgets.0"]),
     ("unknown option", post_json({"graph": graph_json(), "budget_bytes": 1,
                                   "options": {"speed": "fast"}}), 422, ["options.speed"]),
     ("body over the limit", post_raw(b" " * (MAX_BODY + 1)), 413, [str(MAX_BODY)]),
@@ -81,6 +117,13 @@ BAD_INPUTS = [
      415, ["Content-Type: application/json"]),
     ("graph over the node limit", post_json(body(chain(301), 10**9)), 413,
      ["301 nodes", "OPTIREMAT_MAX_GRAPH_NODES"]),
+    # counted before the parse: a body that is otherwise no graph at all is a 413, not a 422
+    ("node ids over the limit, before validation",
+     post_json({"graph": {"node_id": list(range(400))}, "budget_bytes": 1}), 413,
+     ["at least 400 nodes", "OPTIREMAT_MAX_GRAPH_NODES"]),
+    ("value ids over the limit, before validation",
+     post_raw(b'{"budget_bytes": 1, "graph": {"value_id" : [' + b"1," * 700 + b'1]}}'), 413,
+     ["at least 701 values", "OPTIREMAT_MAX_GRAPH_VALUES"]),
     ("frontier without budgets or count",
      lambda c: c.post("/v1/frontier", json={"graph": graph_json()}), 422, ["exactly one"]),
     ("unknown path", lambda c: c.get("/v2/solve"), 404, ["/v2/solve"]),
@@ -167,6 +210,25 @@ def test_a_rotated_key_file_takes_effect_without_a_restart(keyed_server: Server,
         assert time.monotonic() < deadline, "the new key was not taken"
         time.sleep(0.2)
     assert status("file-key-1") == 401 and status("alpha-key") == 200
+
+
+def test_a_body_that_never_arrives_is_answered_408_and_the_connection_closed(
+        server: Server) -> None:
+    with socket.create_connection(("127.0.0.1", server.port), timeout=30) as sock:
+        sock.sendall(b"POST /v1/solve HTTP/1.1\r\nHost: 127.0.0.1\r\n"
+                     b"Content-Type: application/json\r\nContent-Length: 100000\r\n\r\n")
+        started = time.monotonic()
+        received = b""
+        while chunk := sock.recv(65536):  # until the server closes the connection
+            received += chunk
+        waited = time.monotonic() - started
+    head, _, payload = received.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 408 "), received
+    assert b"connection: close" in head.lower()
+    assert "OPTIREMAT_BODY_TIMEOUT_S" in json.loads(payload)["detail"]
+    assert waited >= BODY_TIMEOUT_S  # and at most the socket's 30 s, or recv would raise
+    with server.client() as client:
+        assert client.get("/readyz").status_code == 200
 
 
 def test_the_error_log_line_carries_the_request_id(server: Server) -> None:

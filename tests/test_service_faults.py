@@ -37,8 +37,8 @@ def wait_until(condition: Any, timeout_s: float, what: str) -> None:
 def refuses_connections(server: Server) -> bool:
     try:
         httpx.get(f"{server.url}/healthz", timeout=1.0)
-    except httpx.ConnectError:
-        return True
+    except (httpx.ConnectError, httpx.ReadError, httpx.RemoteProtocolError):
+        return True  # refused, or reset as the listening socket closed
     return False
 
 
@@ -79,6 +79,21 @@ def test_sigterm_answers_the_open_solve_and_leaves_queued_jobs_for_the_restart(
                        == "succeeded", 30, "the queued job ran after the restart")
     finally:
         server.stop()
+
+
+def test_sigterm_to_the_process_group_still_answers_the_open_solve(tmp_path: Path) -> None:
+    # Ctrl-C in a terminal and systemd's default KillMode signal every process of the
+    # group, the pool's workers too: they leave the stop to the server.
+    server = Server(tmp_path / "data", {"workers": "1", "shutdown_grace_s": "20"},
+                    own_group=True).start()
+    with ThreadPoolExecutor(1) as pool, server.client() as client:
+        answer = pool.submit(client.post, "/v1/solve", json=searched_to_its_time_limit(3))
+        wait_until(lambda: metric(client, "optiremat_busy_workers") == 1, 30, "solving")
+        assert server.process is not None and not answer.done()
+        os.killpg(server.process.pid, signal.SIGTERM)
+        assert answer.result().status_code == 200, answer.result().text
+        assert answer.result().json()["status"] in ("optimal", "feasible")
+    assert stopped(server) in (0, -signal.SIGTERM)
 
 
 def test_a_solve_still_open_when_the_grace_ends_is_answered_503_not_cut_off(

@@ -91,8 +91,9 @@ def test_each_key_lists_the_jobs_it_submitted_newest_first(keyed: Server) -> Non
         beta = submit("beta", requests[3])
         shared = submit("beta", requests[0])  # alpha's first job, submitted again by beta
         assert shared == alphas[0]
-        for job_id in [*alphas, beta]:
+        for job_id in alphas:
             finished(client, job_id, **as_("alpha"))
+        finished(client, beta, **as_("beta"))
 
         first = page(client, "alpha", limit=2)
         assert [j["id"] for j in first["jobs"]] == alphas[:0:-1]  # newest first
@@ -103,6 +104,29 @@ def test_each_key_lists_the_jobs_it_submitted_newest_first(keyed: Server) -> Non
         assert {j["id"] for j in page(client, "beta")["jobs"]} == {beta, alphas[0]}
         assert page(client, "beta", status="failed")["jobs"] == []
         assert len(page(client, "alpha", status="succeeded")["jobs"]) == 3
+
+
+def test_another_keys_job_is_not_found_by_any_per_job_route(keyed: Server) -> None:
+    blocker = body(tangled(20, 8, seed=5, name="owned"), 10**6, tie=False, time_limit_s=600)
+    with keyed.client() as client:
+        job_id = client.post("/v1/jobs", json=blocker, headers=as_("alpha")).json()["id"]
+        try:
+            for method in ("GET", "DELETE"):
+                response = client.request(method, f"/v1/jobs/{job_id}", headers=as_("beta"))
+                assert response.status_code == 404, (method, response.text)
+                assert response.headers["content-type"] == "application/problem+json"
+                assert response.json()["detail"].startswith(f"no job {job_id!r}")
+            # as absent as a job that never was: the same answer, only the id differs
+            absent = client.get("/v1/jobs/" + "0" * len(job_id), headers=as_("beta")).json()
+            assert absent["detail"].replace("0" * len(job_id), job_id) == response.json()["detail"]
+            assert client.get(f"/v1/jobs/{job_id}", headers=as_("alpha")).json()["status"] in (
+                "queued", "running")  # beta's DELETE cancelled nothing
+        finally:
+            client.delete(f"/v1/jobs/{job_id}", headers=as_("alpha"))
+        # submitting the same request makes beta an owner too
+        assert client.post("/v1/jobs", json=blocker, headers=as_("beta")).json()["id"] == job_id
+        assert client.get(f"/v1/jobs/{job_id}", headers=as_("beta")).status_code == 200
+        client.delete(f"/v1/jobs/{job_id}", headers=as_("beta"))
 
 
 def test_the_status_filter_sees_queued_and_running_jobs(keyed: Server) -> None:
@@ -166,6 +190,28 @@ def test_over_its_rate_limit_a_key_gets_429_with_retry_after(limited: Server) ->
         assert metric(client, 'optiremat_rejected_requests_total{reason="rate_limit"}') == 2
 
 
+def statuses_with_forwarded_for(server: Server, name: str) -> list[int]:
+    """Five solves from loopback, each claiming another client in X-Forwarded-For."""
+    with server.client() as client:
+        return [client.post("/v1/solve", json=body(chain(3 + i, name=f"{name}-{i}"), 10**9),
+                            headers={"X-Forwarded-For": f"203.0.113.{i}"}).status_code
+                for i in range(5)]
+
+
+@pytest.mark.parametrize(("trusted", "statuses"), [
+    (None, [200, 200, 200, 429, 429]),  # the default trusts no proxy: one bucket, loopback's
+    ("127.0.0.1", [200] * 5),  # a trusted proxy names each client: five buckets
+])
+def test_x_forwarded_for_picks_a_rate_limit_bucket_only_from_a_trusted_proxy(
+        tmp_path_factory: pytest.TempPathFactory, trusted: str | None,
+        statuses: list[int]) -> None:
+    settings = {"workers": "1", "rate_limit_per_minute": "3"}
+    if trusted is not None:
+        settings["forwarded_allow_ips"] = trusted
+    for server in running_server(tmp_path_factory, **settings):
+        assert statuses_with_forwarded_for(server, f"xff-{trusted}") == statuses
+
+
 @pytest.fixture(scope="module")
 def short_queue(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
     yield from running_server(tmp_path_factory, workers="1", max_queued_jobs="1")
@@ -189,3 +235,12 @@ def test_past_its_bound_the_queue_answers_503_and_takes_work_again_after(
         again = client.post("/v1/jobs", json=body(chain(5, name="q2"), 10**9))
         assert again.status_code in (200, 202), again.text
         assert metric(client, 'optiremat_rejected_requests_total{reason="queue_full"}') == 1
+    # the 503 is logged at error level with its request id and what went wrong; the rest
+    # at info (/readyz answered 503 too, while the server started)
+    lines = [r for r in short_queue.log_records()
+             if r.get("logger") == "optiremat.access" and r["path"] == "/v1/jobs"]
+    errors = [r for r in lines if r["level"] == "error"]
+    assert [(r["request_id"], r["status"]) for r in errors] == [
+        (refused.headers["X-Request-ID"], 503)]
+    assert "OPTIREMAT_MAX_QUEUED_JOBS=1" in errors[0]["detail"]
+    assert {r["level"] for r in lines if r["status"] < 500} == {"info"}

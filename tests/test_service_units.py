@@ -51,7 +51,7 @@ async def _echo(request: Request) -> Response:
 
 def decoding_client(limit: int) -> Starlette:
     app = Starlette(routes=[Route("/", _echo, methods=["POST"])])
-    app.add_middleware(BodyDecodingMiddleware, max_body_bytes=limit)
+    app.add_middleware(BodyDecodingMiddleware, max_body_bytes=limit, body_timeout_s=60.0)
     return app
 
 

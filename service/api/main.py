@@ -55,9 +55,11 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.state.settings = settings
     app.state.metrics = metrics
     app.state.api_keys = ApiKeys(settings)
+    app.state.parse_slots = asyncio.Semaphore(settings.max_concurrent_parses)
     install_problem_handlers(app)
     # Added last runs first: the request id exists before the body is read.
-    app.add_middleware(BodyDecodingMiddleware, max_body_bytes=settings.max_body_bytes)
+    app.add_middleware(BodyDecodingMiddleware, max_body_bytes=settings.max_body_bytes,
+                       body_timeout_s=settings.body_timeout_s)
     app.add_middleware(RequestContextMiddleware, metrics=metrics)
     for module in (solve, jobs, frontier, health):
         app.include_router(module.router)
@@ -110,6 +112,8 @@ def serve(settings: Settings) -> None:
         port=settings.port,
         log_config=None,
         access_log=False,
+        proxy_headers=bool(settings.forwarded_allow_ips.strip()),
+        forwarded_allow_ips=settings.forwarded_allow_ips.strip() or None,
         # SIGTERM: uvicorn stops accepting at once and answers what is open within this
         timeout_graceful_shutdown=math.ceil(settings.shutdown_grace_s),
     )

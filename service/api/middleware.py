@@ -6,6 +6,7 @@ and can answer before the app runs.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import re
@@ -36,6 +37,17 @@ def _header(scope: Scope, name: bytes) -> str | None:
     return None
 
 
+_FAILURE_BYTES = 2000
+
+
+def _detail(body: bytes) -> str:
+    """A problem body's ``detail``, else the start of the body as text."""
+    try:
+        return str(json.loads(body)["detail"])
+    except (ValueError, KeyError, TypeError):
+        return body.decode("utf-8", "replace")
+
+
 def _has_body(scope: Scope) -> bool:
     length = _header(scope, b"content-length")
     if length is not None:
@@ -59,13 +71,16 @@ class RequestContextMiddleware:
         scope.setdefault("state", {})["request_id"] = request_id
         status = 500  # what the client sees if the app raises before responding
         started = time.perf_counter()
+        failure = b""  # the start of a 5xx body: what went wrong, for the error line
 
         async def send_with_id(message: Message) -> None:
-            nonlocal status
+            nonlocal status, failure
             if message["type"] == "http.response.start":
                 status = message["status"]
                 message["headers"] = [*message.get("headers", []),
                                       (b"x-request-id", request_id.encode())]
+            elif status >= 500 and len(failure) < _FAILURE_BYTES:
+                failure += message.get("body", b"")[:_FAILURE_BYTES - len(failure)]
             await send(message)
 
         try:
@@ -79,9 +94,13 @@ class RequestContextMiddleware:
                 method=scope["method"], route=template, status=str(status)
             ).observe(seconds)
             client = scope.get("client")
-            access_log.info(
+            extra = {"detail": _detail(failure)} if status >= 500 else {}
+            # A 5xx is the server's fault: an error line an operator's alert can match.
+            access_log.log(
+                logging.ERROR if status >= 500 else logging.INFO,
                 "%s %s %d", scope["method"], scope["path"], status,
                 extra={
+                    **extra,
                     "request_id": request_id,
                     "method": scope["method"],
                     "path": scope["path"],
@@ -108,16 +127,26 @@ class BodyDecodingMiddleware:
     as its output passes the limit, without inflating the rest.
     """
 
-    def __init__(self, app: ASGIApp, max_body_bytes: int) -> None:
+    def __init__(self, app: ASGIApp, max_body_bytes: int, body_timeout_s: float) -> None:
         self.app = app
         self.max_body_bytes = max_body_bytes
+        self.body_timeout_s = body_timeout_s
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http" or not _has_body(scope):
             await self.app(scope, receive, send)  # routing answers 405s and missing bodies
             return
         try:
-            body = await self._read(scope, receive)
+            # A client that announces a body and sends it slowly, or not at all, would
+            # hold its connection and the body read so far for as long as it likes.
+            async with asyncio.timeout(self.body_timeout_s):
+                body = await self._read(scope, receive)
+        except TimeoutError:
+            await self._send_problem(scope, send, _Reject(
+                408, "Request timeout",
+                f"the request body did not arrive within {self.body_timeout_s:g} s "
+                "(OPTIREMAT_BODY_TIMEOUT_S)", headers=[(b"connection", b"close")]))
+            return
         except _Reject as reject:
             await self._send_problem(scope, send, reject)
             return

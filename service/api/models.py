@@ -4,15 +4,15 @@ from solver/; the resources the run layer returns (jobs, frontiers) from
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Literal
+from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictInt, model_validator
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from optiremat.solver.graph import CostGraph, GraphBuilder
 from optiremat.solver.peak import resolve_memory
 from optiremat.solver.solution import SolveOptions
+from optiremat.solver.validation import BoundedInt as NonNegInt
 
-NonNegInt = Annotated[StrictInt, Field(ge=0)]
 MAX_FRONTIER_POINTS = 64
 
 

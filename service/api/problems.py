@@ -36,7 +36,7 @@ def raise_for_outcome(outcome: Outcome) -> None:
     if isinstance(outcome, Infeasible):
         problem = Problem.infeasible(outcome.budget_bytes, outcome.min_budget_bytes)
     elif isinstance(outcome, Failed):
-        problem = Problem.solve_failed(outcome.message)
+        problem = Problem.failed(outcome.message, outcome.invalid)
     elif isinstance(outcome, Cancelled):
         raise ProblemError(409, "Solve cancelled",
                            "an identical job was cancelled (DELETE /v1/jobs/{id}) while this "

@@ -24,6 +24,10 @@ class Settings(BaseSettings):
                                       validate_by_name=True)
 
     host: str = "127.0.0.1"
+    # Proxies whose X-Forwarded-For / X-Forwarded-Proto name the client (comma-separated
+    # addresses or networks, "*" for any). Empty, the default, trusts none: a client
+    # could otherwise pick its own rate-limit bucket (uvicorn trusts loopback by default).
+    forwarded_allow_ips: str = ""
     port: int = Field(default=8000, ge=0, le=65535)
     data_dir: Path = Field(default_factory=lambda: user_cache_path("optiremat"))
     # Comma-separated bearer tokens; empty (and no key file) turns authentication off.
@@ -35,8 +39,13 @@ class Settings(BaseSettings):
     metrics_require_key: bool = False
     # Cap on the request body after gzip decoding (and on the raw body).
     max_body_bytes: int = Field(default=64 * 1024 * 1024, gt=0)
+    # A request body must arrive within this long after its headers, else 408 and the
+    # connection is closed (64 MiB at 10 Mbit/s takes about 55 s).
+    body_timeout_s: float = Field(default=60.0, gt=0)
     max_graph_nodes: int = Field(default=200_000, gt=0)
     max_graph_values: int = Field(default=400_000, gt=0)
+    # Request bodies validated at once (each in a thread); more wait their turn.
+    max_concurrent_parses: int = Field(default=2, ge=1)
     # POST /v1/solve and /v1/frontier hold a connection open: their time limit is capped.
     sync_time_limit_s: float = Field(default=30.0, gt=0)
     # Jobs run in the background but still hold a worker: cap them too.

@@ -106,8 +106,8 @@ def job_view(record: JobRecord, outcome: Outcome | None, running: bool = False) 
         elif isinstance(outcome, Infeasible):
             error = Problem.infeasible(outcome.budget_bytes, outcome.min_budget_bytes)
         else:
-            error = Problem.solve_failed(
-                outcome.message if isinstance(outcome, Failed) else repr(outcome))
+            error = (Problem.failed(outcome.message, outcome.invalid)
+                     if isinstance(outcome, Failed) else Problem.solve_failed(repr(outcome)))
     return Job(
         **job_summary(record, status).model_dump(),
         solution=None if solution is None else Solution.model_validate_json(solution.solution_json),
@@ -296,13 +296,22 @@ class Front:
         return JobPage(jobs=summaries,
                        next_cursor=None if position is None else encode_cursor(position))
 
-    async def get_job(self, job_id: str) -> Job | None:
+    async def _owned_job(self, job_id: str, owner: str | None) -> JobRecord | None:
+        """The job's record, or None when there is none or, with ``owner`` (an API key's
+        id), when that key did not submit it: another key's job looks absent."""
         record = await self._read(self._store.get_job, job_id)
+        if record is None or owner is None:
+            return record
+        return record if await self._read(self._store.owns, owner, job_id) else None
+
+    async def get_job(self, job_id: str, owner: str | None = None) -> Job | None:
+        record = await self._owned_job(job_id, owner)
         return None if record is None else await self._view(record)
 
-    async def cancel_job(self, job_id: str, wait_s: float = 5.0) -> Job | None:
+    async def cancel_job(self, job_id: str, owner: str | None = None,
+                         wait_s: float = 5.0) -> Job | None:
         """Cancel a queued or running job and wait (briefly) for it to settle."""
-        record = await self._read(self._store.get_job, job_id)
+        record = await self._owned_job(job_id, owner)
         if record is None:
             return None
         if record.outcome is None:

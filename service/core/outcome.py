@@ -48,6 +48,8 @@ class Failed(_Outcome):
 
     type: Literal["failed"] = "failed"
     message: str
+    # The request is what is wrong (the solver's integers cannot hold it): a 422, not a 500.
+    invalid: bool = Field(default=False, exclude_if=lambda v: v is False)
 
 
 Answer = Solved | Infeasible | BudgetRange

@@ -71,10 +71,7 @@ class _Worker:
 
     def join(self, timeout: float) -> None:
         self.process.join(timeout)
-        if self.process.is_alive():
-            self.process.terminate()
-            self.process.join(1.0)
-        if self.process.is_alive():
+        if self.process.is_alive():  # it ignores SIGTERM (pool_worker): kill it
             self.process.kill()
             self.process.join()
         self.conn.close()

@@ -27,8 +27,11 @@ class Ready:
 
 def worker_main(conn: Connection, cancel: Event) -> None:
     """Serve ``(task, graph_json)`` from ``conn`` until it closes or sends ``None``."""
-    # Ctrl-C in a terminal reaches the whole process group; the parent decides when we stop.
+    # Ctrl-C in a terminal, and systemd's default KillMode, signal the whole process
+    # group: the server decides when we stop (it asks through the pipe, and kills a
+    # worker that does not), so that the solve it is answering finishes first.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     # The API shares the machine: on a busy one the scheduler serves it before the
     # solves, so that answers from the store stay quick while the workers solve.
     os.nice(WORKER_NICENESS)

@@ -249,6 +249,9 @@ class RedisStore:
             self._index(pipe, owner, job)
             pipe.execute()
 
+    def owns(self, owner: str, key: str) -> bool:
+        return self.redis.zscore(self.jobs_key(owner), key) is not None
+
     def list_jobs(self, owner: str | None, status: JobStatus | None, after: Position | None,
                   limit: int) -> tuple[list[JobRecord], Position | None]:
         """As the protocol says; a page stops short after ``_LIST_SCAN`` times ``limit``

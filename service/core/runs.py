@@ -81,6 +81,9 @@ class Store(Protocol):
     def add_owner(self, job: JobRecord, owner: str) -> None:
         """List the job for this API key's id too."""
 
+    def owns(self, owner: str, key: str) -> bool:
+        """Whether this API key's id submitted the job (``add_owner``)."""
+
     def list_jobs(self, owner: str | None, status: JobStatus | None, after: Position | None,
                   limit: int) -> tuple[list[JobRecord], Position | None]:
         """Jobs newest first, after ``after``: those of ``owner`` (all when None), with

@@ -220,6 +220,12 @@ class SqliteStore:
             db.execute("INSERT OR IGNORE INTO job_owners (owner, key, created_at) "
                        "VALUES (?, ?, ?)", (owner, job.key, job.created_at))
 
+    def owns(self, owner: str, key: str) -> bool:
+        with self._lock:
+            row = self._db.execute("SELECT 1 FROM job_owners WHERE owner = ? AND key = ?",
+                                   (owner, key)).fetchone()
+        return row is not None
+
     def list_jobs(self, owner: str | None, status: JobStatus | None, after: Position | None,
                   limit: int) -> tuple[list[JobRecord], Position | None]:
         where: list[str] = ["1"]

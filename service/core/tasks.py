@@ -22,6 +22,7 @@ from pydantic import BaseModel, ConfigDict, Field, TypeAdapter
 from optiremat.service.core.outcome import BudgetRange, Failed, Infeasible, Solved, TaskResult
 from optiremat.solver.offload import OffloadOptions
 from optiremat.solver.solution import SolveOptions
+from optiremat.solver.validation import OutOfRangeError
 from optiremat.solver.wire import Progress
 
 # Progress is forwarded at most this often unless the incumbent improved.
@@ -145,5 +146,7 @@ def run_task(task: Task, graph_json: str, cancel: CancelFlag,
         if isinstance(task, SolveTask):
             return _solve(task, graph_json, cancel, report)
         return _budget_range(task, graph_json)
+    except OutOfRangeError as exc:
+        return Failed(message=str(exc), invalid=True)
     except Exception as exc:  # a solver bug must fail the task, not the worker
         return Failed(message=f"{type(exc).__name__}: {exc}")

@@ -34,7 +34,7 @@ async def frontier(request: Request, settings: SettingsDep, front: FrontDep) -> 
     cap). With ``count``, budgets are spaced evenly from the smallest feasible budget to
     the largest useful one. Infeasible budgets come back as points with status
     ``infeasible``; ``pareto`` marks the points no other point beats."""
-    body = await parse_body(FrontierRequest, await request.body())
+    body = await parse_body(request, FrontierRequest, await request.body())
     check_graph_size(body.graph, settings)
     options = cap_time_limit(body.options, settings.sync_time_limit_s)
     result = await front.frontier(body.graph, body.budgets, body.count, options)

@@ -50,7 +50,7 @@ async def submit_job(request: Request, response: Response, settings: SettingsDep
                      front: FrontDep) -> Job:
     """Queue the solve; ``Location`` names the job. Submitting the same request again
     returns the same job (a failed or cancelled one is started again)."""
-    body = await parse_body(SolveRequest, await request.body())
+    body = await parse_body(request, SolveRequest, await request.body())
     check_graph_size(body.graph, settings)
     options = cap_time_limit(body.options, settings.job_time_limit_s)
     job = await front.submit_job(body.graph, body.budget_bytes, options,
@@ -92,8 +92,10 @@ async def list_jobs(
     responses=problem_responses(401, 404, 500),
     summary="A job's status, progress, and solution or error",
 )
-async def get_job(job_id: str, front: FrontDep) -> Job:
-    job = await front.get_job(job_id)
+async def get_job(job_id: str, request: Request, front: FrontDep) -> Job:
+    """With API keys configured, only the keys that submitted the job see it; for any
+    other key it does not exist (404)."""
+    job = await front.get_job(job_id, request.state.owner)
     if job is None:
         raise _not_found(job_id)
     return job
@@ -105,10 +107,11 @@ async def get_job(job_id: str, front: FrontDep) -> Job:
     responses=problem_responses(401, 404, 500),
     summary="Cancel a job",
 )
-async def cancel_job(job_id: str, front: FrontDep) -> Job:
+async def cancel_job(job_id: str, request: Request, front: FrontDep) -> Job:
     """A queued job is dropped; a running solve stops and the job keeps the best plan
-    found so far as its solution. A finished job is returned unchanged."""
-    job = await front.cancel_job(job_id)
+    found so far as its solution. A finished job is returned unchanged. As for GET,
+    another key's job is not found."""
+    job = await front.cancel_job(job_id, request.state.owner)
     if job is None:
         raise _not_found(job_id)
     return job

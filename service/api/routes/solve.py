@@ -46,7 +46,7 @@ async def solve(request: Request, settings: SettingsDep, front: FrontDep) -> Res
     outcome = await front.stored_answer(body_digest)
     if outcome is None:
         await limit_rate(request)  # answers from the store above are not counted
-        body = await parse_body(SolveRequest, raw)
+        body = await parse_body(request, SolveRequest, raw)
         check_graph_size(body.graph, settings)
         options = cap_time_limit(body.options, settings.sync_time_limit_s)
         outcome = await front.solve(body.graph, body.budget_bytes, options,
