@@ -156,7 +156,7 @@ class Walker:
 
     def scan_rule(self, eqn, refs: Sequence[Ref], ctx: Context) -> list[Ref]:
         p = eqn.params
-        n_consts, n_carry, length = p["num_consts"], p["num_carry"], int(p["length"])
+        (n_consts, n_carry), length = jx.scan_counts(p), int(p["length"])
         body: jx.Jaxpr = p["jaxpr"].jaxpr
         consts, init, xs = refs[:n_consts], refs[n_consts:n_consts + n_carry], \
             refs[n_consts + n_carry:]
