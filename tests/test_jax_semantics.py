@@ -7,7 +7,12 @@ holds on both (docs/design.md, "Adding a JAX version"). Offload's
 
 from __future__ import annotations
 
+import re
+import subprocess
+import sys
+import tomllib
 from collections.abc import Iterator
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -34,6 +39,30 @@ def remat3(request) -> Iterator[bool]:
         yield request.param
     finally:
         jax.config.update("jax_remat3", before)
+
+
+def _padded(version: str) -> tuple[int, ...]:
+    return (*jx._version_tuple(version), 0, 0)[:3]
+
+
+def test_the_client_checks_the_range_pyproject_installs() -> None:
+    project = tomllib.loads((Path(__file__).parents[1] / "pyproject.toml").read_text())
+    client = project["project"]["optional-dependencies"]["client"]
+    for package in ("jax", "jaxlib"):
+        spec = next(d for d in client if re.match(rf"{package}[<>=]", d))
+        bounds = re.fullmatch(rf"{package}>=([\d.]+),<([\d.]+)", spec)
+        assert bounds is not None, spec
+        assert (_padded(bounds[1]), _padded(bounds[2])) == jx.SUPPORTED_JAX, spec
+
+
+def test_a_jax_outside_the_range_is_refused_naming_the_range() -> None:
+    script = ("import jax; jax.__version__ = '0.13.0'\n"
+              "import optiremat.client._jax_internals")
+    run = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                         timeout=120)
+    assert run.returncode != 0
+    assert "ImportError: optiremat supports jax >= 0.10.0 and < 0.13.0; found jax 0.13.0" \
+        in run.stderr, run.stderr
 
 
 def test_remat3_is_off_by_default() -> None:
