@@ -191,8 +191,7 @@ ELEMENTWISE = (
     _lax.tanh_p, _lax.xor_p, jx.special.erf_p, jx.special.erf_inv_p, jx.special.erfc_p,
     jx.special.lgamma_p, jx.special.digamma_p, jx.ad_util.add_jaxvals_p,
 )
-# 1 - x^2 (0.12, in tanh's, asin's and atanh's derivatives): the square and the subtract
-# it replaces on older versions, so a model costs the same FLOPs on every version.
+# 1 - x^2 (0.12, in tanh's, asin's and atanh's derivatives): a multiply and a subtract.
 TWO_PER_ELEMENT = tuple(jx.OPTIONAL_PRIMITIVES[name] for name in ("one_minus_square",)
                         if name in jx.OPTIONAL_PRIMITIVES)
 LAYOUT = (
