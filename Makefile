@@ -1,12 +1,15 @@
-# Both targets create and use .venv at the repo root; only python3 and make are needed.
-VENV := .venv
+# Both targets create and use a venv at the repo root; only a Python and make are needed.
+# PYTHON selects the interpreter (e.g. `make test PYTHON=python3.12`); each one gets its
+# own venv, .venv for the default python3 and .venv-<interpreter> for any other.
+PYTHON ?= python3
+VENV ?= $(if $(filter python3,$(PYTHON)),.venv,.venv-$(notdir $(PYTHON)))
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
 .PHONY: serve test lint bench clean
 
 $(STAMP): pyproject.toml
-	python3 -m venv $(VENV)
+	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet -e '.[client,service,dev]'
 	touch $(STAMP)

@@ -4,13 +4,31 @@ Extraction must see exactly the jaxpr that ``jax.checkpoint`` partially
 evaluates, and the policy must answer with JAX's own ``Saveable``/``Recompute``
 objects; both live under ``jax._src``. Everything private is imported here, and
 the JAX versions this was written and tested against are checked at import.
+
+What differs between the supported versions is decided here once, by what the
+installed JAX offers (not by its version number), and offered as accessors:
+
+* a scan's consts and carry counts: ``num_consts``/``num_carry`` params up to
+  0.10, one ``ft_in`` flat tree of (consts, carry, xs) from 0.11
+  (``scan_counts``);
+* the closed-jaxpr type: ``core.ClosedJaxpr`` wrapping a ``Jaxpr`` up to 0.11,
+  merged into ``core.Jaxpr`` from 0.12 (which keeps ``ClosedJaxpr(jaxpr,
+  consts)``, ``.jaxpr`` and ``.consts`` as legacy forms); ``ClosedJaxpr`` below
+  is the public ``jax.extend.core`` alias, whichever type that is;
+* primitives that exist only on some versions (``OPTIONAL_PRIMITIVES``), e.g.
+  ``one_minus_square`` (0.12), which tanh's derivative emits.
+
+docs/design.md ("Adding a JAX version") says what to check for a new release.
 """
 
 from __future__ import annotations
 
-import jax
+import inspect
 
-SUPPORTED_JAX = ((0, 10, 0), (0, 11, 0))  # [lower, upper)
+import jax
+import jax.extend.core
+
+SUPPORTED_JAX = ((0, 10, 0), (0, 13, 0))  # [lower, upper)
 
 
 def _version_tuple(version: str) -> tuple[int, ...]:
@@ -49,18 +67,40 @@ from jax._src.lax.control_flow import conditionals, loops  # noqa: F401
 from jax._src.random import prng  # noqa: F401
 
 Jaxpr = core.Jaxpr
-ClosedJaxpr = core.ClosedJaxpr
+# The public alias names whichever type the installed JAX closes jaxprs with.
+ClosedJaxpr = jax.extend.core.ClosedJaxpr
 Literal = core.Literal
 Var = core.Var
 
 
-def jvp_jaxpr(closed: core.ClosedJaxpr, nonzeros: list[bool]) -> tuple[core.Jaxpr, list]:
+# From 0.11 a scan's params carry one flat tree of its inputs, (consts, carry, xs).
+SCAN_COUNTS_IN_FLAT_TREE = "ft_in" in inspect.signature(loops._scan_impl).parameters
+
+
+def scan_counts(params: dict) -> tuple[int, int]:
+    """A scan equation's (number of consts, number of carry values) among its inputs."""
+    if SCAN_COUNTS_IN_FLAT_TREE:
+        consts, carry, _ = params["ft_in"].unpack()
+        return len(consts), len(carry)
+    return params["num_consts"], params["num_carry"]
+
+
+# Primitives only some supported versions define, by name: each maps to its Primitive,
+# or is absent where the installed JAX lacks it (client.primitives gives each a FLOP rule).
+OPTIONAL_PRIMITIVES: dict[str, core.Primitive] = {
+    name: getattr(lax_ops, f"{name}_p")
+    for name in ("one_minus_square",)
+    if hasattr(lax_ops, f"{name}_p")
+}
+
+
+def jvp_jaxpr(closed: ClosedJaxpr, nonzeros: list[bool]) -> tuple[core.Jaxpr, list]:
     """The JVP'd jaxpr exactly as ``remat_jvp`` builds it, consts as leading invars."""
     jvp_closed, _ = ad.jvp_jaxpr(closed, nonzeros, False)
     return pe.convert_constvars_jaxpr(jvp_closed.jaxpr), list(jvp_closed.consts)
 
 
-def close_with_consts_as_inputs(closed: core.ClosedJaxpr) -> core.ClosedJaxpr:
+def close_with_consts_as_inputs(closed: ClosedJaxpr) -> ClosedJaxpr:
     """``jax.checkpoint`` turns the traced function's consts into leading inputs."""
     return pe.close_jaxpr(pe.convert_constvars_jaxpr(closed.jaxpr))
 

@@ -163,7 +163,7 @@ def _walk(jaxpr: jx.Jaxpr, differentiated: Sequence[bool], found: list[Region],
 
 def _region(index: int, eqn, differentiated: Sequence[bool]) -> Region:
     p = eqn.params
-    return Region(index, int(p["length"]), jx.source_of(eqn), p["num_consts"], p["num_carry"],
+    return Region(index, int(p["length"]), jx.source_of(eqn), *jx.scan_counts(p),
                   p["jaxpr"], tuple(differentiated), bool(p["reverse"]))
 
 
@@ -244,7 +244,7 @@ class _Placer:
                 f"lax.scan at {here.source} does not match region {k} of the plan (planned at "
                 f"{region.source}): shapes or length differ; plan again for these arguments")
         body = p["jaxpr"]
-        n_consts, n_carry = p["num_consts"], p["num_carry"]
+        n_consts, n_carry = jx.scan_counts(p)
         consts = list(invals[:n_consts])
         init, xs = list(invals[n_consts:n_consts + n_carry]), list(invals[n_consts + n_carry:])
 

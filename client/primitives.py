@@ -17,6 +17,7 @@ here gathers everything this project needs of one primitive, side by side:
 | ``dot_general`` | 2 x output elements x contracted size |
 | ``conv_general_dilated`` | 2 x multiply-adds on real (unpadded) input |
 | elementwise arithmetic, comparisons, selects, casts | 1 per output element |
+| ``one_minus_square`` (JAX 0.12: ``1 - x**2``) | 2 per output element |
 | transcendentals (``exp``, ``tanh``, ``erf``, ...) | 1 per output element |
 | reductions, ``argmax``/``argmin`` | 1 per input element |
 | cumulative ops (``cumsum``, ...) | 1 per input element |
@@ -85,6 +86,10 @@ def per_output_element(eqn: core.JaxprEqn) -> int:
     if not eqn.outvars or not all(hasattr(v.aval, "shape") for v in eqn.outvars):
         return 0
     return sum(_size(v.aval) for v in eqn.outvars)
+
+
+def two_per_output_element(eqn: core.JaxprEqn) -> int:
+    return 2 * per_output_element(eqn)
 
 
 def free(eqn: core.JaxprEqn) -> int:
@@ -186,6 +191,9 @@ ELEMENTWISE = (
     _lax.tanh_p, _lax.xor_p, jx.special.erf_p, jx.special.erf_inv_p, jx.special.erfc_p,
     jx.special.lgamma_p, jx.special.digamma_p, jx.ad_util.add_jaxvals_p,
 )
+# 1 - x^2 (0.12, in tanh's, asin's and atanh's derivatives): a multiply and a subtract.
+TWO_PER_ELEMENT = tuple(jx.OPTIONAL_PRIMITIVES[name] for name in ("one_minus_square",)
+                        if name in jx.OPTIONAL_PRIMITIVES)
 LAYOUT = (
     _lax.reshape_p, _lax.broadcast_in_dim_p, _lax.transpose_p, _lax.squeeze_p,
     _lax.concatenate_p, _lax.pad_p, _lax.rev_p, _lax.copy_p, _lax.iota_p, _lax.split_p,
@@ -208,6 +216,7 @@ SCATTER_COMBINE = (_slicing.scatter_add_p, _slicing.scatter_sub_p, _slicing.scat
 
 REGISTRY: dict[core.Primitive, PrimitiveInfo] = {
     **{p: PrimitiveInfo(Role.PLAIN, per_output_element) for p in ELEMENTWISE},
+    **{p: PrimitiveInfo(Role.PLAIN, two_per_output_element) for p in TWO_PER_ELEMENT},
     **{p: PrimitiveInfo(Role.PLAIN, free) for p in LAYOUT},
     **{p: PrimitiveInfo(Role.PLAIN, per_input_element) for p in REDUCTIONS},
     **{p: PrimitiveInfo(Role.PLAIN, per_update_element) for p in SCATTER_COMBINE},

@@ -17,10 +17,11 @@ from fractions import Fraction
 import jax
 import jax.numpy as jnp
 import pytest
-from jax._src import core as jax_core
 from pydantic import ValidationError
 
+from optiremat.client import _jax_internals as jx
 from optiremat.client import optimize
+from optiremat.client._jax_internals import core as jax_core
 from optiremat.client.keys import policy_key
 from optiremat.client.measure import saved_residuals
 from optiremat.client.plan import PlanError
@@ -231,7 +232,7 @@ def test_the_optimum_is_brute_forces(seed: int) -> None:
 def _subjaxprs(eqn: jax_core.JaxprEqn):
     for param in eqn.params.values():
         for p in param if isinstance(param, tuple | list) else (param,):
-            if isinstance(p, jax_core.ClosedJaxpr):
+            if isinstance(p, jx.ClosedJaxpr):
                 yield p.jaxpr
             elif isinstance(p, jax_core.Jaxpr):
                 yield p

@@ -11,9 +11,9 @@ from __future__ import annotations
 import jax
 import numpy as np
 import pytest
-from jax._src import core as jax_core
 
 import optiremat
+from optiremat.client._jax_internals import core as jax_core
 from optiremat.client.placement import LAYER_INPUT
 from optiremat.client.plan import PlanError, check_host_memory
 from optiremat.client.step import Step

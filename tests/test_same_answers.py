@@ -8,6 +8,12 @@ reports) compared with the value recorded before the solve drivers were merged.
 The corpus covers tied, folded, untied, direct, SCIP, baselines, offload
 (folded, untied, brute-force sized), peak budgets, sweeps and progress.
 
+Every graph here is built without JAX (synthetic graphs, GraphBuilder), so one
+record holds on every supported JAX version (CI runs this on the oldest and
+the newest); a graph extracted from a traced function would be recorded per
+JAX version, since jaxprs legitimately differ between releases (0.12's tanh
+derivative has a ``one_minus_square`` node where 0.10's has a ``sub``).
+
 The values hold for the OR-Tools they were recorded with (a fingerprint names
 the solver's version): record them again with ``python -m tests.test_same_answers``
 after a deliberate change or an OR-Tools upgrade.

@@ -30,7 +30,7 @@ def known_outputs(jaxpr: jx.Jaxpr, known_in: Sequence[bool]) -> list[bool]:
             outs = known_outputs(body(eqn), ins)
         elif role == Role.SCAN:
             p = eqn.params
-            nc, nk = p["num_consts"], p["num_carry"]
+            nc, nk = jx.scan_counts(p)
             inner = p["jaxpr"].jaxpr
             carry = scan_carry_known_flags(inner, ins[:nc], ins[nc:nc + nk], ins[nc + nk:])
             outs = known_outputs(inner, [*ins[:nc], *carry, *ins[nc + nk:]])

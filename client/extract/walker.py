@@ -156,7 +156,7 @@ class Walker:
 
     def scan_rule(self, eqn, refs: Sequence[Ref], ctx: Context) -> list[Ref]:
         p = eqn.params
-        n_consts, n_carry, length = p["num_consts"], p["num_carry"], int(p["length"])
+        (n_consts, n_carry), length = jx.scan_counts(p), int(p["length"])
         if length == 0:  # a graph node runs at least once (its repeat is the scan's length)
             raise ExtractionError(
                 f"the lax.scan at {jx.source_of(eqn)} has length 0: it runs no iteration, so "
