@@ -39,7 +39,7 @@ from optiremat.client.extract.state import HALF_FLOATS, widens_stacked_halves
 from optiremat.client.placement import Region
 from optiremat.client.policy import KeyPolicy
 from optiremat.solver.graph import CostGraph
-from optiremat.solver.peak import step_phases, value_weights
+from optiremat.solver.peak import priced_extra_bytes, step_phases, value_weights
 from optiremat.solver.semantics import evaluate
 from optiremat.solver.step import StepMemory
 
@@ -100,24 +100,33 @@ def _measure(region: Region, saved_keys: frozenset[str] | None) -> tuple[int, in
     # graph prices where it is made. Measured: without this the prediction ran one
     # carry high on every model of the scan corpus (two on CPU for bf16: its f32 copy).
     first_input = sum(aval_bytes(a) * (2 if _widened(a) else 1) for a in region.carry_avals)
-    held = temp - sum(graph.value_bytes[v] for v in stacked) - first_input + SCALARS_BYTES
+    # Plus the cotangent of the last layer's output, which the step's backward hands the
+    # region and holds through it; this program's is a broadcast of ones XLA never makes.
+    # Measured: without it the layers' phase ran one carry low on the scan corpus once
+    # the residuals outside the region (the last layer's output among them) left it.
+    cotangent = sum(aval_bytes(a) for a in region.carry_avals
+                    if jnp.issubdtype(a.dtype, jnp.inexact))
+    held = (temp - sum(graph.value_bytes[v] for v in stacked) - first_input + cotangent
+            + SCALARS_BYTES)
     return max(held, 0), sum(extra[v] for v in stacked)
 
 
-def calibrate_phases(graph: CostGraph, step_peak: Callable[[Any], int]) -> StepMemory:
+def calibrate_phases(graph: CostGraph, regions: Sequence[Region],
+                     step_peak: Callable[[Any], int]) -> StepMemory:
     """The step's memory with its phases calibrated against the step itself, compiled
     with every region under a built-in (``step_peak(policy)``: XLA's peak of the step).
 
     Under ``nothing_saveable`` the residuals are fewest and priced exactly (the layers'
     stacked inputs), so the phase that sets that plan's peak is measured to the byte:
     where it is outside the regions (an LM head from a vocabulary of about 8k here),
-    ``outside_working_bytes`` is its working set; where it is the one region's backward,
+    ``outside_working_bytes`` is its working set. Where it is the one region's backward,
     that region's working set in the step is (XLA holds up to 6% less there than in the
-    layer's own program, on a tied-embedding LM), and one more compile, with every
-    region saving everything (the layers' smallest working set), bounds the phases
-    outside: the smaller bound is kept. No plan's peak is then priced under what XLA
-    holds but where the second plan's residuals are priced over what XLA keeps (a
-    broadcast XLA fuses into its reader).
+    layer's own program, on a tied-embedding LM), and the step is compiled once more
+    with every region saving everything, the layers' smallest working set (its layer
+    program measured too): where the phases outside then set the peak, their working
+    set is that plan's; where the layers' backward sets it again, the phases outside
+    hold no working set the plans could reach, and none is priced (on the scan corpus,
+    a loss over the last layer's output, they hold a few hundred bytes).
     """
     step = graph.step
     assert step is not None
@@ -127,20 +136,29 @@ def calibrate_phases(graph: CostGraph, step_peak: Callable[[Any], int]) -> StepM
         residuals = evaluate(graph, [saves] * graph.num_nodes).residuals
         return step_peak(policy) - step.held_bytes - sum(weights[v] for v in residuals)
 
-    lean = bound(jax.checkpoint_policies.nothing_saveable, False)
     phases = step_phases(graph.model_copy(update={"step": step.model_copy(
         update={"outside_working_bytes": 0})}))
     outside_share = phases[-1].fixed_residual_bytes  # every fixed residual
-    if lean > max((p.fixed_bytes for p in phases[:-1]), default=0) - outside_share \
-            + DOMINATES_BY:
+
+    def outside_sets_it(working: int, region_shares: Sequence[int]) -> bool:
+        return working + outside_share > max(region_shares, default=0) + DOMINATES_BY
+
+    lean = bound(jax.checkpoint_policies.nothing_saveable, False)
+    if outside_sets_it(lean, [p.fixed_bytes for p in phases[:-1]]):
         return step.model_copy(update={"outside_working_bytes": max(lean, 0)})
-    regions = list(step.regions)
-    if len(regions) == 1:  # its backward set the peak: its working set as the step holds it
+    memories = list(step.regions)
+    if len(memories) == 1:  # its backward set the peak: its working set as the step holds it
         in_step = lean + outside_share - phases[0].fixed_residual_bytes
-        regions[0] = regions[0].model_copy(update={"working_bytes": max(in_step, 0)})
-    outside = min(lean, bound(jax.checkpoint_policies.everything_saveable, True))
+        memories[0] = memories[0].model_copy(update={"working_bytes": max(in_step, 0)})
+    every = frozenset(k for k in graph.node_key if k)
+    extra = priced_extra_bytes(graph, [True] * graph.num_nodes)
+    saving = [working_bytes(r, every) - extra - assumed_working_bytes(r) + m.working_bytes
+              + p.fixed_residual_bytes
+              for r, m, p in zip(regions, memories, phases[:-1], strict=True)]
+    full = bound(jax.checkpoint_policies.everything_saveable, True)
+    outside = full if outside_sets_it(full, saving) else 0
     return step.model_copy(update={"outside_working_bytes": max(outside, 0),
-                                   "regions": regions})
+                                   "regions": memories})
 
 
 def _widened(aval) -> bool:

@@ -71,8 +71,8 @@ def step_extraction(fun: Callable, args: Sequence, step: Step, *, name: str = ""
             return jax.tree_util.tree_unflatten(traced.out_tree, out)
         return measured_peak(step.function(placed).lower(*args).compile())
 
-    graph = CostGraph.model_construct(**{**dict(extraction.graph),
-                                         "step": calibrate_phases(extraction.graph, step_peak)})
+    calibrated = calibrate_phases(extraction.graph, regions, step_peak)
+    graph = CostGraph.model_construct(**{**dict(extraction.graph), "step": calibrated})
     return StepExtraction(replace(extraction, graph=graph), regions, tuple(flags))
 
 
