@@ -58,12 +58,6 @@ MAX_CANDIDATES_MEASURED = 4
 SolveAt = Callable[[int], Solution]
 
 
-def plan_working_bytes(regions: Sequence[Region], saved_keys: frozenset[str]) -> int:
-    """The step's backward working set under the plan saving ``saved_keys`` in every
-    region: the largest region's, since the backward pass runs one region at a time."""
-    return max((working_bytes(r, saved_keys) for r in regions), default=0)
-
-
 def working_set_delta(graph: CostGraph, regions: Sequence[Region], saves: Sequence[bool],
                       keys: frozenset[str], groups: Sequence[int] | None = None) -> int:
     """What the peak of the plan saving ``saves`` (the policy keys ``keys``) is beyond
