@@ -162,7 +162,7 @@ def calibrate_phases(graph: CostGraph, regions: Sequence[Region],
 
 
 def _widened(aval) -> bool:
-    """Whether XLA keeps an f32 copy of this value where a scan stacks it (CPU, half floats)."""
+    """Whether XLA keeps an f32 copy of this value where a scan stacks it (half floats)."""
     return widens_stacked_halves() and str(aval.dtype) in HALF_FLOATS
 
 

@@ -10,6 +10,7 @@ backward pass reads).
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
@@ -23,10 +24,34 @@ HALF_FLOATS = frozenset({"bfloat16", "float16"})
 
 def widens_stacked_halves() -> bool:
     """Whether XLA on the default backend keeps an f32 copy of a half-float value a scan
-    stacks for the backward pass (CPU, which computes half floats in f32)."""
+    stacks for the backward pass. Asked of XLA itself, once per backend: jax 0.10's CPU
+    backend does (it computes half floats in f32), 0.12's does not, and the peak of a
+    bf16 step priced the wrong way runs 30-40% off (tests/test_peak.py, bf16 Llama)."""
     import jax
 
-    return jax.default_backend() == "cpu"
+    return _widens_stacked_halves(jax.default_backend())
+
+
+@functools.cache
+def _widens_stacked_halves(backend: str) -> bool:
+    """On ``backend`` (the default one, when asked): one small program's temp bytes, a
+    bf16 carry stacked over 16 iterations (2 MiB) for the backward pass, with or without
+    an f32 copy beside it (4 MiB more)."""
+    import jax
+    import jax.numpy as jnp
+    from jax import lax
+
+    length, size = 16, 1 << 16
+
+    def program(x):
+        y, _ = lax.scan(lambda c, _: (jnp.sin(c), None), x, None, length=length)
+        return jnp.sum(y.astype(jnp.float32))
+
+    stacked = length * size * 2
+    compiled = jax.jit(jax.grad(program)).lower(
+        jax.ShapeDtypeStruct((size,), jnp.bfloat16)).compile()
+    analysis = compiled.memory_analysis()
+    return analysis is not None and analysis.temp_size_in_bytes >= 2 * stacked
 
 
 class ExtractionError(ValueError):

@@ -46,8 +46,9 @@ class Walker:
     names_by_key: dict[str, str] = field(default_factory=dict)  # checkpoint_name equations
     tie_groups: list[set[str]] = field(default_factory=list)  # keys that share one decision
     next_cond: int = 0
-    # XLA on CPU computes half-precision floats in f32 and widens stacked half
-    # residuals for the backward pass: each costs about its size again (bench/peak.py).
+    # XLA on CPU in jax 0.10 computes half floats in f32 and widens stacked half
+    # residuals for the backward pass: each costs about its size again (bench/peak.py);
+    # whether it does is asked of XLA (``widens_stacked_halves``).
     widen_stacked_halves: bool = False
 
     # ---- values and nodes -------------------------------------------------
