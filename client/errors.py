@@ -12,12 +12,13 @@ from typing import Any
 
 import httpx
 
+from optiremat.solver.errors import OptirematError
 from optiremat.solver.solution import InfeasibleBudgetError
 
 INFEASIBLE_BUDGET = "urn:optiremat:problem:infeasible-budget"
 
 
-class RemoteError(Exception):
+class RemoteError(OptirematError):
     """Base of every error about the service or the way to it."""
 
 

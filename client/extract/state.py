@@ -15,6 +15,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 
 import optiremat.client._jax_internals as jx
+from optiremat.solver.errors import OptirematError
 from optiremat.solver.graph import NodeMode
 
 NAME_PREFIX = "optiremat/"
@@ -29,7 +30,7 @@ def widens_stacked_halves() -> bool:
     return jax.default_backend() == "cpu"
 
 
-class ExtractionError(ValueError):
+class ExtractionError(OptirematError, ValueError):
     """The function uses something whose remat behaviour optiremat cannot predict."""
 
 
