@@ -14,8 +14,7 @@ import httpx
 
 from optiremat.solver.errors import OptirematError
 from optiremat.solver.solution import InfeasibleBudgetError
-
-INFEASIBLE_BUDGET = "urn:optiremat:problem:infeasible-budget"
+from optiremat.solver.wire import INFEASIBLE_BUDGET
 
 
 class RemoteError(OptirematError):
@@ -72,7 +71,7 @@ class JobCancelled(RemoteError):
 def problem_error(status: int, problem: dict[str, Any], budget_bytes: int | None = None
                   ) -> ProblemError:
     """The exception for one problem detail (from a response or a failed job)."""
-    if (problem.get("type") == INFEASIBLE_BUDGET and problem.get("min_budget_bytes") is not None
+    if (problem.get("type") == INFEASIBLE_BUDGET.uri and problem.get("min_budget_bytes") is not None
             and budget_bytes is not None):
         return RemoteInfeasibleBudget(status, problem, budget_bytes)
     kinds: dict[int, type[ProblemError]] = {401: Unauthorized, 404: NotFound}
