@@ -15,6 +15,7 @@ from enum import StrEnum
 from pydantic import BaseModel, ConfigDict, Field
 
 from optiremat.solver.solution import Solution, SolveOptions, SolveStatus
+from optiremat.solver.step import Memory
 
 # Points of a frontier when neither budgets nor a count is given.
 DEFAULT_FRONTIER_POINTS = 12
@@ -67,11 +68,16 @@ class Problem(BaseModel):
     errors: list[ValidationIssue] | None = None
 
     @classmethod
-    def infeasible(cls, budget_bytes: int, min_budget_bytes: int) -> Problem:
+    def infeasible(cls, budget_bytes: int, min_budget_bytes: int,
+                   memory: Memory | None) -> Problem:
+        """No plan fits; ``memory`` is what the budget counts (None: not recorded)."""
+        fits = {Memory.RESIDUALS: "keeps residuals within",
+                Memory.PEAK: "keeps the training step's predicted peak within",
+                None: "fits a budget of"}[memory]
         return cls(
             type=INFEASIBLE_BUDGET.uri, title=INFEASIBLE_BUDGET.title, status=422,
-            detail=f"no plan keeps residuals within {budget_bytes} bytes; the smallest "
-                   f"feasible budget for this graph is {min_budget_bytes} bytes",
+            detail=f"no plan {fits} {budget_bytes} bytes; the smallest feasible budget for "
+                   f"this graph is {min_budget_bytes} bytes",
             min_budget_bytes=min_budget_bytes,
         )
 

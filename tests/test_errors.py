@@ -105,13 +105,19 @@ def test_a_problem_carries_the_request_and_the_response(server: Server,
     assert err.response.request is err.request
 
 
-def test_an_infeasible_budget_carries_the_exchange(server: Server,
-                                                    remote: RematClient) -> None:
+@pytest.mark.parametrize("memory, counts", [
+    ("residuals", "keeps residuals within"),
+    ("peak", "keeps the training step's predicted peak within"),
+])
+def test_an_infeasible_budget_carries_the_exchange_and_says_what_it_counts(
+        server: Server, remote: RematClient, memory: str, counts: str) -> None:
     graph = _peak_graph()
-    floor = min_feasible_budget(graph)
+    floor = min_feasible_budget(graph, memory=memory)
     with pytest.raises(RemoteInfeasibleBudget) as caught:
-        remote.solve(graph, floor - 1)
+        remote.solve(graph, floor - 1, memory=memory)
     err = caught.value
+    assert err.detail == (f"no plan {counts} {floor - 1} bytes; the smallest feasible "
+                          f"budget for this graph is {floor} bytes")
     assert err.min_budget_bytes == floor
     assert err.request is not None and err.response is not None
     assert (err.request.method, str(err.request.url)) == ("POST", f"{server.url}/v1/solve")
@@ -126,6 +132,7 @@ def test_a_failed_job_carries_the_poll_that_reported_it(server: Server,
     with pytest.raises(RemoteInfeasibleBudget) as caught:
         remote.wait(job.id, timeout=60, progress=False)
     err = caught.value
+    assert "keeps the training step's predicted peak within" in err.detail
     assert err.request is not None and err.response is not None
     assert str(err.request.url) == f"{server.url}/v1/jobs/{job.id}"
     assert err.response.status_code == 200  # the job was found; it is the job that failed

@@ -46,7 +46,7 @@ class ProblemError(Exception):
 def raise_for_outcome(outcome: Outcome) -> None:
     """Turn anything but a solution into the problem the client should see."""
     if isinstance(outcome, Infeasible):
-        problem = Problem.infeasible(outcome.budget_bytes, outcome.min_budget_bytes)
+        problem = Problem.infeasible(outcome.budget_bytes, outcome.min_budget_bytes, outcome.memory)
     elif isinstance(outcome, Failed):
         problem = Problem.failed(outcome.message, outcome.invalid)
     elif isinstance(outcome, Cancelled):
