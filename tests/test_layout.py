@@ -46,7 +46,8 @@ def test_the_package_list_is_every_folder_with_modules() -> None:
 
 
 def test_the_installed_package_finds_each_package_in_its_folder() -> None:
-    # The installed package, editable or not, is where mypy's names come from too.
+    # The editable install (make's) imports each package from its folder: the names
+    # tools/typecheck.py gives mypy are the ones Python imports.
     for package, folder in package_folders().items():
         spec = importlib.util.find_spec(package)
         assert spec is not None and spec.submodule_search_locations is not None, package
