@@ -19,7 +19,7 @@ serve: $(STAMP)
 
 test: $(STAMP)
 	$(PY) -m ruff check .
-	$(PY) -m mypy
+	$(PY) tools/typecheck.py
 	$(PY) -m pytest -q
 
 bench: $(STAMP)

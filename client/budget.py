@@ -42,6 +42,7 @@ import numpy as np
 
 from optiremat.client.extract import Traced, graph_of_traced, trace
 from optiremat.client.step import Step
+from optiremat.solver.errors import OptirematError
 from optiremat.solver.graph import CostGraph
 from optiremat.solver.semantics import evaluate
 from optiremat.solver.step import Memory
@@ -54,7 +55,7 @@ HEADROOM = 0.10  # fraction of device memory left for XLA's workspace and tempor
 AUTO_KEYWORDS = frozenset({"device_memory", "optimizer_state", "headroom"})
 
 
-class BudgetError(ValueError):
+class BudgetError(OptirematError, ValueError):
     """No automatic budget: no memory limit to read, or nothing left for residuals."""
 
 

@@ -1,9 +1,11 @@
 """What ``RematClient`` raises: the connection failed, or the server said no.
 
-A server error carries its RFC 9457 problem detail (``type``, ``title``,
-``detail``, ``status`` and any extension members) as the server sent it. An
-infeasible budget is also a ``optiremat.solver.solution.InfeasibleBudgetError``, so code
-written against the local ``optimize`` catches it unchanged.
+Each error carries the ``request`` it made and the ``response`` it got (``None``
+where there was none), as httpx's errors do. A server error carries its RFC 9457
+problem detail (``type``, ``title``, ``detail``, ``status`` and any extension
+members) as the server sent it. An infeasible budget is also a
+``optiremat.solver.solution.InfeasibleBudgetError``, so code written against the
+local ``optimize`` catches it unchanged.
 """
 
 from __future__ import annotations
@@ -12,13 +14,24 @@ from typing import Any
 
 import httpx
 
+from optiremat.solver.errors import OptirematError
 from optiremat.solver.solution import InfeasibleBudgetError
+from optiremat.solver.wire import INFEASIBLE_BUDGET
 
-INFEASIBLE_BUDGET = "urn:optiremat:problem:infeasible-budget"
 
+class RemoteError(OptirematError):
+    """Base of every error about the service or the way to it. ``request`` is the HTTP
+    request that failed (its ``url`` names the server; by default the ``response``'s),
+    ``response`` the answer it got: ``None`` when no answer came, and both ``None`` for
+    an error read from a ``Job`` the caller passed in."""
 
-class RemoteError(Exception):
-    """Base of every error about the service or the way to it."""
+    def __init__(self, message: str, *, request: httpx.Request | None = None,
+                 response: httpx.Response | None = None) -> None:
+        # Not super(): in RemoteInfeasibleBudget the next class would be
+        # InfeasibleBudgetError, whose constructor takes other arguments.
+        Exception.__init__(self, message)
+        self.request = response.request if request is None and response is not None else request
+        self.response = response
 
 
 class ConnectionFailed(RemoteError):
@@ -28,15 +41,16 @@ class ConnectionFailed(RemoteError):
 class ProblemError(RemoteError):
     """The server answered with an error; ``problem`` is its problem+json body."""
 
-    def __init__(self, status: int, problem: dict[str, Any]) -> None:
+    def __init__(self, status: int, problem: dict[str, Any], *,
+                 request: httpx.Request | None = None,
+                 response: httpx.Response | None = None) -> None:
         self.status = status
         self.problem = problem
         self.type: str = str(problem.get("type", "about:blank"))
         self.title: str = str(problem.get("title", httpx.codes.get_reason_phrase(status)))
         self.detail: str = str(problem.get("detail", ""))
-        # Not super(): in RemoteInfeasibleBudget the next class would be
-        # InfeasibleBudgetError, whose constructor takes other arguments.
-        Exception.__init__(self, f"{self.title} (HTTP {status}): {self.detail}")
+        super().__init__(f"{self.title} (HTTP {status}): {self.detail}", request=request,
+                         response=response)
 
 
 class RequestRejected(ProblemError):
@@ -58,8 +72,10 @@ class ServerError(ProblemError):
 class RemoteInfeasibleBudget(RequestRejected, InfeasibleBudgetError):
     """422 infeasible budget: ``min_budget_bytes`` is the smallest feasible budget."""
 
-    def __init__(self, status: int, problem: dict[str, Any], budget_bytes: int) -> None:
-        super().__init__(status, problem)
+    def __init__(self, status: int, problem: dict[str, Any], budget_bytes: int, *,
+                 request: httpx.Request | None = None,
+                 response: httpx.Response | None = None) -> None:
+        super().__init__(status, problem, request=request, response=response)
         self.budget_bytes = budget_bytes
         self.min_budget_bytes = int(problem["min_budget_bytes"])
 
@@ -68,16 +84,16 @@ class JobCancelled(RemoteError):
     """The job was cancelled before it found any plan."""
 
 
-def problem_error(status: int, problem: dict[str, Any], budget_bytes: int | None = None
-                  ) -> ProblemError:
-    """The exception for one problem detail (from a response or a failed job)."""
-    if (problem.get("type") == INFEASIBLE_BUDGET and problem.get("min_budget_bytes") is not None
+def problem_error(status: int, problem: dict[str, Any], budget_bytes: int | None = None, *,
+                  response: httpx.Response | None = None) -> ProblemError:
+    """The exception for one problem detail: an error ``response``'s, or a failed job's
+    (``response`` is then the one that reported the job, if any)."""
+    if (problem.get("type") == INFEASIBLE_BUDGET.uri and problem.get("min_budget_bytes") is not None
             and budget_bytes is not None):
-        return RemoteInfeasibleBudget(status, problem, budget_bytes)
+        return RemoteInfeasibleBudget(status, problem, budget_bytes, response=response)
     kinds: dict[int, type[ProblemError]] = {401: Unauthorized, 404: NotFound}
-    if status in kinds:
-        return kinds[status](status, problem)
-    return RequestRejected(status, problem) if status < 500 else ServerError(status, problem)
+    kind = kinds.get(status, RequestRejected if status < 500 else ServerError)
+    return kind(status, problem, response=response)
 
 
 def response_error(response: httpx.Response, budget_bytes: int | None = None) -> ProblemError:
@@ -90,4 +106,4 @@ def response_error(response: httpx.Response, budget_bytes: int | None = None) ->
         text = response.text.strip()
         problem = {"title": response.reason_phrase or "HTTP error",
                    "detail": text[:500] or f"{response.request.method} {response.request.url}"}
-    return problem_error(response.status_code, problem, budget_bytes)
+    return problem_error(response.status_code, problem, budget_bytes, response=response)

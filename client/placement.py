@@ -38,6 +38,7 @@ import optiremat.client._jax_internals as jx
 from optiremat.client.cost_model import aval_bytes
 from optiremat.client.extract.tracing import trace
 from optiremat.client.primitives import Role, info
+from optiremat.solver.errors import OptirematError
 
 if TYPE_CHECKING:
     from optiremat.client.step import Step
@@ -55,7 +56,7 @@ UNPLACEABLE_PARENTS = {Role.COND: "cond", Role.WHILE: "while_loop"}
 Policy = Callable[..., Any]
 
 
-class PlacementError(ValueError):
+class PlacementError(OptirematError, ValueError):
     """The function's structure cannot take the plan's regions; names the equation."""
 
 

@@ -30,6 +30,7 @@ from optiremat.client.policy import KeyPolicy
 from optiremat.client.refine import refined_solve, step_measure
 from optiremat.client.step import Step, measured_peak
 from optiremat.client.step_graph import step_extraction
+from optiremat.solver.errors import OptirematError
 from optiremat.solver.graph import CostGraph
 from optiremat.solver.solution import Solution
 from optiremat.solver.solve import solve
@@ -46,7 +47,7 @@ OFFLOAD_SRC, OFFLOAD_DST = "device", "pinned_host"
 PEAK_TOLERANCE = 0.10
 
 
-class PlanError(RuntimeError):
+class PlanError(OptirematError, RuntimeError):
     """A plan used in a way it cannot honour exactly."""
 
 

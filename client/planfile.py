@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
+from optiremat.solver.errors import OptirematError
 from optiremat.solver.graph import CostGraph
 from optiremat.solver.semantics import Evaluation, evaluate
 from optiremat.solver.solution import Solution
@@ -91,7 +92,7 @@ class PlanFile(BaseModel):
         return path
 
 
-class PlanFileError(ValueError):
+class PlanFileError(OptirematError, ValueError):
     """A file that is not a plan optiremat can use; the message names the file and field."""
 
 

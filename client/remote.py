@@ -66,12 +66,13 @@ class RematClient:
         if body is not None:
             body = gzip.compress(body, compresslevel=GZIP_LEVEL, mtime=0)
             headers = {"Content-Type": "application/json", "Content-Encoding": "gzip"}
+        request = self._http.build_request(method, path, content=body, headers=headers)
         try:
-            response = self._http.request(method, path, content=body, headers=headers)
+            response = self._http.send(request)
         except httpx.TransportError as exc:
             raise ConnectionFailed(
-                f"{method} {self.base_url}{path} failed: {type(exc).__name__}: {exc}"
-            ) from exc
+                f"{method} {self.base_url}{path} failed: {type(exc).__name__}: {exc}",
+                request=request) from exc
         if response.is_error:
             raise response_error(response, budget_bytes)
         return response
@@ -103,8 +104,12 @@ class RematClient:
 
     def job(self, job: Job | str) -> Job:
         """The job's current state."""
+        return self._job(job)[0]
+
+    def _job(self, job: Job | str) -> tuple[Job, httpx.Response]:
         job_id = job.id if isinstance(job, Job) else job
-        return Job.model_validate_json(self._request("GET", f"/v1/jobs/{job_id}").content)
+        response = self._request("GET", f"/v1/jobs/{job_id}")
+        return Job.model_validate_json(response.content), response
 
     def cancel(self, job: Job | str) -> Job:
         """Stop the job; it keeps the best plan found so far as its solution."""
@@ -123,7 +128,8 @@ class RematClient:
         On ``timeout`` the job keeps running and ``TimeoutError`` is raised.
         """
         deadline = None if timeout is None else time.monotonic() + timeout
-        current = job if isinstance(job, Job) else self.job(job)
+        # The response that reported the job last: a failure raised below carries it.
+        current, response = (job, None) if isinstance(job, Job) else self._job(job)
         with job_progress(progress) as show:
             while True:
                 show(current)
@@ -134,16 +140,18 @@ class RematClient:
                                        f"{timeout} s; it keeps running on the server")
                 time.sleep(poll_s)
                 poll_s = min(max_poll_s, poll_s * 1.5)
-                current = self.job(current.id)
+                current, response = self._job(current.id)
         if current.solution is not None:
             return current.solution
         if current.status == "cancelled":
-            raise JobCancelled(f"job {current.id} was cancelled before it found a plan")
+            raise JobCancelled(f"job {current.id} was cancelled before it found a plan",
+                               response=response)
         if current.error is None:
             raise problem_error(500, {"title": "Job failed", "detail": f"job {current.id} failed"},
-                                current.budget_bytes)
+                                current.budget_bytes, response=response)
         problem = current.error.model_dump(mode="json", exclude_none=True)
-        raise problem_error(current.error.status, problem, current.budget_bytes)
+        raise problem_error(current.error.status, problem, current.budget_bytes,
+                            response=response)
 
     def frontier(self, graph: CostGraph, budgets: list[int] | None = None,
                  count: int | None = None, **options: Any) -> Frontier:

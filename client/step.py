@@ -20,9 +20,10 @@ import jax.numpy as jnp
 import numpy as np
 
 from optiremat.client.cost_model import aval_bytes
+from optiremat.solver.errors import OptirematError
 
 
-class StepError(ValueError):
+class StepError(OptirematError, ValueError):
     """A function or arguments the training step cannot be built from."""
 
 

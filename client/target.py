@@ -32,10 +32,12 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any
 
+from optiremat.solver.errors import OptirematError
+
 DEFAULT_ARGS = "example_args"
 
 
-class TargetError(ValueError):
+class TargetError(OptirematError, ValueError):
     """The ``MODULE:FUNCTION`` spec cannot be loaded as described."""
 
 

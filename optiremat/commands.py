@@ -223,11 +223,7 @@ def _reporting_errors(run: Run) -> Run:
     def wrapped(args: argparse.Namespace) -> int:
         from pydantic import ValidationError
 
-        from optiremat.client.budget import BudgetError
-        from optiremat.client.errors import RemoteError
-        from optiremat.client.target import TargetError
-        from optiremat.solver.graph import GraphError
-        from optiremat.solver.solution import InfeasibleBudgetError
+        from optiremat.solver.errors import OptirematError
         from optiremat.solver.validation_message import validation_message
 
         try:
@@ -236,8 +232,7 @@ def _reporting_errors(run: Run) -> Run:
             print(f"optiremat {args.command}: {exc.title}: {validation_message(exc)}",
                   file=sys.stderr)
             return 1
-        except (InfeasibleBudgetError, RemoteError, BudgetError, TargetError, GraphError,
-                OSError, ValueError) as exc:
+        except (OptirematError, OSError, ValueError) as exc:
             print(f"optiremat {args.command}: {exc}", file=sys.stderr)
             return 1
 

@@ -3,6 +3,7 @@
 Pure pydantic + OR-Tools; never imports JAX.
 """
 
+from optiremat.solver.errors import OptirematError
 from optiremat.solver.graph import SCHEMA_VERSION, CostGraph, GraphBuilder, GraphError, NodeMode
 from optiremat.solver.offload import OffloadOptions
 from optiremat.solver.semantics import (
@@ -30,6 +31,7 @@ __all__ = [
     "InfeasibleBudgetError",
     "NodeMode",
     "OffloadOptions",
+    "OptirematError",
     "ProgressCallback",
     "Solution",
     "SolveOptions",

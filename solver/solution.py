@@ -10,6 +10,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, StrictInt
 
 from optiremat.solver.baselines import BaselineResult
+from optiremat.solver.errors import OptirematError
 from optiremat.solver.offload import OffloadOptions, OffloadReport
 from optiremat.solver.step import Memory
 
@@ -122,7 +123,7 @@ class Solution(BaseModel):
         ).hexdigest()
 
 
-class InfeasibleBudgetError(ValueError):
+class InfeasibleBudgetError(OptirematError, ValueError):
     """No plan fits the budget; ``min_budget_bytes`` is the smallest one that does."""
 
     def __init__(self, budget_bytes: int, min_budget_bytes: int) -> None:

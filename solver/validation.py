@@ -6,6 +6,8 @@ from typing import TYPE_CHECKING, Annotated, Any
 
 from pydantic import Field, StrictInt
 
+from optiremat.solver.errors import OptirematError
+
 if TYPE_CHECKING:
     from optiremat.solver.graph import CostGraph
     from optiremat.solver.step import StepMemory
@@ -17,11 +19,11 @@ INT_BOUND = 2**62
 BoundedInt = Annotated[StrictInt, Field(ge=0, lt=INT_BOUND)]
 
 
-class GraphError(ValueError):
+class GraphError(OptirematError, ValueError):
     """A cost graph that breaks the schema; the message names the node or value."""
 
 
-class OutOfRangeError(ValueError):
+class OutOfRangeError(OptirematError, ValueError):
     """A request whose sums the solver's 64-bit integers cannot hold (offload prices
     found so while the formulation is built); the message names the fields."""
 

@@ -8,25 +8,39 @@ know (a newer server may add some).
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from datetime import datetime
 from enum import StrEnum
 
 from pydantic import BaseModel, ConfigDict, Field
 
 from optiremat.solver.solution import Solution, SolveOptions, SolveStatus
+from optiremat.solver.step import Memory
 
 # Points of a frontier when neither budgets nor a count is given.
 DEFAULT_FRONTIER_POINTS = 12
 
-# Problem types the service defines; docs/service.md explains each.
-INFEASIBLE_BUDGET = "urn:optiremat:problem:infeasible-budget"
-INVALID_REQUEST = "urn:optiremat:problem:invalid-request"
-GRAPH_TOO_LARGE = "urn:optiremat:problem:graph-too-large"
-SOLVE_CANCELLED = "urn:optiremat:problem:solve-cancelled"
-SOLVE_FAILED = "urn:optiremat:problem:solve-failed"
-RATE_LIMITED = "urn:optiremat:problem:rate-limited"
-QUEUE_FULL = "urn:optiremat:problem:queue-full"
-STORE_UNAVAILABLE = "urn:optiremat:problem:store-unavailable"
+
+@dataclass(frozen=True)
+class ProblemType:
+    """A problem type the service defines: the problems' ``type`` (a URI) and the
+    ``title`` they carry (RFC 9457: the same for every problem of the type);
+    docs/service.md explains each."""
+
+    uri: str
+    title: str
+
+
+INFEASIBLE_BUDGET = ProblemType("urn:optiremat:problem:infeasible-budget", "Infeasible budget")
+# A request refused before it reaches a route may name what is wrong with it in the title
+# instead ("Malformed JSON", "Malformed gzip", "Body too large").
+INVALID_REQUEST = ProblemType("urn:optiremat:problem:invalid-request", "Invalid request")
+GRAPH_TOO_LARGE = ProblemType("urn:optiremat:problem:graph-too-large", "Graph too large")
+SOLVE_CANCELLED = ProblemType("urn:optiremat:problem:solve-cancelled", "Solve cancelled")
+SOLVE_FAILED = ProblemType("urn:optiremat:problem:solve-failed", "Solve failed")
+RATE_LIMITED = ProblemType("urn:optiremat:problem:rate-limited", "Too many requests")
+QUEUE_FULL = ProblemType("urn:optiremat:problem:queue-full", "Queue full")
+STORE_UNAVAILABLE = ProblemType("urn:optiremat:problem:store-unavailable", "Store unavailable")
 
 
 class ValidationIssue(BaseModel):
@@ -54,24 +68,29 @@ class Problem(BaseModel):
     errors: list[ValidationIssue] | None = None
 
     @classmethod
-    def infeasible(cls, budget_bytes: int, min_budget_bytes: int) -> Problem:
+    def infeasible(cls, budget_bytes: int, min_budget_bytes: int,
+                   memory: Memory | None) -> Problem:
+        """No plan fits; ``memory`` is what the budget counts (None: not recorded)."""
+        fits = {Memory.RESIDUALS: "keeps residuals within",
+                Memory.PEAK: "keeps the training step's predicted peak within",
+                None: "fits a budget of"}[memory]
         return cls(
-            type=INFEASIBLE_BUDGET, title="Infeasible budget", status=422,
-            detail=f"no plan keeps residuals within {budget_bytes} bytes; the smallest "
-                   f"feasible budget for this graph is {min_budget_bytes} bytes",
+            type=INFEASIBLE_BUDGET.uri, title=INFEASIBLE_BUDGET.title, status=422,
+            detail=f"no plan {fits} {budget_bytes} bytes; the smallest feasible budget for "
+                   f"this graph is {min_budget_bytes} bytes",
             min_budget_bytes=min_budget_bytes,
         )
 
     @classmethod
     def solve_failed(cls, message: str) -> Problem:
-        return cls(type=SOLVE_FAILED, title="Solve failed", status=500, detail=message)
+        return cls(type=SOLVE_FAILED.uri, title=SOLVE_FAILED.title, status=500, detail=message)
 
     @classmethod
     def failed(cls, message: str, invalid: bool) -> Problem:
         """A run that failed: the request's fault (422) when ``invalid``, else the
         solver's (500)."""
         if invalid:
-            return cls(type=INVALID_REQUEST, title="Invalid request", status=422,
+            return cls(type=INVALID_REQUEST.uri, title=INVALID_REQUEST.title, status=422,
                        detail=message)
         return cls.solve_failed(message)
 

@@ -64,7 +64,7 @@ def test_the_image_is_the_service_without_jax() -> None:
 
 def test_the_wheel_holds_one_package_with_every_module(tmp_path: Path) -> None:
     # An editable install finds any module on disk; the image installs a wheel, which
-    # has only what setuptools finds, through optiremat/'s links to the three folders.
+    # has only the packages pyproject.toml lists, from the folders its package-dir maps.
     leftover = not (REPO / "build").exists()  # setuptools builds in the source tree
     try:
         subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation",

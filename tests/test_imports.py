@@ -2,8 +2,8 @@
 
 With a cycle, what a module holds while it runs depends on which module of the
 cycle was imported first. The walk reads every import statement of every module
-of the package (optiremat/ and the solver/, client/ and service/ folders it
-links), at module level and inside functions alike; only the imports a type
+of the package (optiremat/ and the solver/, client/ and service/ folders
+pyproject.toml maps under it), at module level and inside functions alike; only the imports a type
 checker alone sees (``if TYPE_CHECKING:``) are left out. ``from package import
 module`` goes through the package's ``__init__`` and counts as importing it.
 """
@@ -14,25 +14,13 @@ import ast
 from collections.abc import Iterator
 from pathlib import Path
 
-from tests.service_harness import REPO
-
-# The package's own modules, and the folders it links as its subpackages.
-PARTS = {"optiremat": REPO / "optiremat", "optiremat.solver": REPO / "solver",
-         "optiremat.client": REPO / "client", "optiremat.service": REPO / "service"}
+from tools.typecheck import module_paths
 
 
 def _modules(part: str | None = None) -> dict[str, Path]:
-    found = {}
-    for package, root in PARTS.items():
-        if part is not None and package != part:
-            continue
-        files = root.glob("*.py") if package == "optiremat" else root.rglob("*.py")
-        for path in sorted(files):
-            parts = path.relative_to(root).with_suffix("").parts
-            if parts[-1] == "__init__":
-                parts = parts[:-1]
-            found[".".join((package, *parts))] = path
-    return found
+    """Module -> its file, for the whole package or for one part of it."""
+    return {name: path for name, path in module_paths().items()
+            if part is None or name == part or name.startswith(f"{part}.")}
 
 
 def _run_time(nodes: list[ast.stmt]) -> Iterator[ast.AST]:

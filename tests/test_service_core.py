@@ -36,7 +36,8 @@ from optiremat.service.core.rq_executor import RQExecutor
 from optiremat.service.core.store import SqliteStore
 from optiremat.service.core.tasks import BudgetRangeTask, SolveTask
 from optiremat.solver.solution import SolveOptions
-from optiremat.solver.wire import JobStatus
+from optiremat.solver.step import Memory
+from optiremat.solver.wire import JobStatus, Problem
 from tests.cluster_harness import RedisServer
 from tests.service_harness import REPO, chain
 
@@ -55,6 +56,18 @@ OUTCOMES: list[Outcome] = [
 def test_outcomes_survive_the_codec_unchanged(outcome: Outcome) -> None:
     assert decode(encode(outcome).encode()) == outcome
     assert encode(outcome).startswith(f'{{"type":"{outcome.type}"')  # tagged by its type
+
+
+def test_an_infeasible_answer_keeps_what_its_budget_counts() -> None:
+    peak = Infeasible(budget_bytes=10, min_budget_bytes=4096, memory=Memory.PEAK)
+    assert decode(encode(peak)) == peak
+    # one stored before the outcome recorded it still reads, and claims neither meaning
+    stored = decode('{"type":"infeasible","budget_bytes":10,"min_budget_bytes":4096}')
+    assert stored == Infeasible(budget_bytes=10, min_budget_bytes=4096)
+    assert isinstance(stored, Infeasible) and stored.memory is None
+    assert Problem.infeasible(10, 4096, stored.memory).detail == (
+        "no plan fits a budget of 10 bytes; the smallest feasible budget for this graph is "
+        "4096 bytes")
 
 
 @pytest.fixture(scope="module")

@@ -16,6 +16,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 
 import optiremat.client._jax_internals as jx
+from optiremat.solver.errors import OptirematError
 from optiremat.solver.graph import NodeMode
 
 NAME_PREFIX = "optiremat/"
@@ -54,7 +55,7 @@ def _widens_stacked_halves(backend: str) -> bool:
     return analysis is not None and analysis.temp_size_in_bytes >= 2 * stacked
 
 
-class ExtractionError(ValueError):
+class ExtractionError(OptirematError, ValueError):
     """The function uses something whose remat behaviour optiremat cannot predict."""
 
 

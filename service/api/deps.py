@@ -89,12 +89,12 @@ async def limit_rate(request: Request) -> None:
     if wait_s > 0:
         request.app.state.metrics.rejected.labels(reason="rate_limit").inc()
         retry_after = math.ceil(wait_s)
-        raise ProblemError(
-            429, "Too many requests",
+        raise ProblemError.of(
+            RATE_LIMITED, 429,
             f"this client ({client}) sent more than {get_settings(request).rate_limit_per_minute}"
             " requests a minute that may start a solve (OPTIREMAT_RATE_LIMIT_PER_MINUTE; "
             f"answers from the cache do not count); retry in {retry_after} s",
-            type=RATE_LIMITED, headers={"Retry-After": str(retry_after)})
+            headers={"Retry-After": str(retry_after)})
 
 
 # (id column, what its entries are, the setting that caps them, its variable)
@@ -107,10 +107,10 @@ def _too_large(what: str, count: int, settings: Settings, setting: str, variable
     cap: int = getattr(settings, setting)
     if count <= cap:
         return None
-    return ProblemError(
-        413, "Graph too large",
+    return ProblemError.of(
+        GRAPH_TOO_LARGE, 413,
         f"the graph has {'at least ' if at_least else ''}{count} {what}; this server accepts "
-        f"at most {cap} ({variable})", type=GRAPH_TOO_LARGE)
+        f"at most {cap} ({variable})")
 
 
 def check_graph_size(graph: CostGraph, settings: Settings) -> None:

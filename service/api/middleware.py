@@ -232,7 +232,7 @@ class BodyDecodingMiddleware:
     @staticmethod
     async def _send_problem(scope: Scope, send: Send, reject: _Reject) -> None:
         body = json.dumps(problem_body(
-            reject.status, reject.title, reject.detail, type=INVALID_REQUEST,
+            reject.status, reject.title, reject.detail, type=INVALID_REQUEST.uri,
             request_id=scope.get("state", {}).get("request_id"), instance=scope["path"],
         )).encode()
         await send({

@@ -13,7 +13,13 @@ from starlette.responses import Response
 
 from optiremat.service.core.errors import Unavailable
 from optiremat.service.core.outcome import Cancelled, Failed, Infeasible, Interrupted, Outcome
-from optiremat.solver.wire import INVALID_REQUEST, SOLVE_CANCELLED, Problem, ValidationIssue
+from optiremat.solver.wire import (
+    INVALID_REQUEST,
+    SOLVE_CANCELLED,
+    Problem,
+    ProblemType,
+    ValidationIssue,
+)
 
 PROBLEM_MEDIA_TYPE = "application/problem+json"
 
@@ -30,17 +36,23 @@ class ProblemError(Exception):
         self.headers = headers or {}
         self.extensions = extensions
 
+    @classmethod
+    def of(cls, kind: ProblemType, status: int, detail: str, *,
+           headers: dict[str, str] | None = None, **extensions: Any) -> ProblemError:
+        """A problem of one of the types the service defines, with that type's title."""
+        return cls(status, kind.title, detail, type=kind.uri, headers=headers, **extensions)
+
 
 def raise_for_outcome(outcome: Outcome) -> None:
     """Turn anything but a solution into the problem the client should see."""
     if isinstance(outcome, Infeasible):
-        problem = Problem.infeasible(outcome.budget_bytes, outcome.min_budget_bytes)
+        problem = Problem.infeasible(outcome.budget_bytes, outcome.min_budget_bytes, outcome.memory)
     elif isinstance(outcome, Failed):
         problem = Problem.failed(outcome.message, outcome.invalid)
     elif isinstance(outcome, Cancelled):
-        raise ProblemError(409, "Solve cancelled",
-                           "an identical job was cancelled (DELETE /v1/jobs/{id}) while this "
-                           "request waited for it; send the request again", type=SOLVE_CANCELLED)
+        raise ProblemError.of(SOLVE_CANCELLED, 409,
+                              "an identical job was cancelled (DELETE /v1/jobs/{id}) while "
+                              "this request waited for it; send the request again")
     elif isinstance(outcome, Interrupted):
         raise Unavailable("Shutting down", "the server is shutting down; retry shortly")
     else:
@@ -111,7 +123,7 @@ async def _on_validation_error(request: Request, exc: RequestValidationError) ->
         reason = (err.get("ctx") or {}).get("error", err.get("msg"))
         return problem_response(
             400, "Malformed JSON", f"the request body is not valid JSON: {reason}",
-            type=INVALID_REQUEST, request_id=_request_id(request), instance=request.url.path,
+            type=INVALID_REQUEST.uri, request_id=_request_id(request), instance=request.url.path,
         )
     shown = "; ".join(_validation_message(e) for e in errors[:3])
     more = f" (and {len(errors) - 3} more)" if len(errors) > 3 else ""
@@ -120,7 +132,7 @@ async def _on_validation_error(request: Request, exc: RequestValidationError) ->
         .model_dump() for e in errors[:50]
     ]
     return problem_response(
-        422, "Invalid request", shown + more, type=INVALID_REQUEST,
+        422, INVALID_REQUEST.title, shown + more, type=INVALID_REQUEST.uri,
         request_id=_request_id(request), instance=request.url.path, errors=issues,
     )
 

@@ -104,7 +104,8 @@ def job_view(record: JobRecord, outcome: Outcome | None, running: bool = False) 
         elif isinstance(outcome, Solved):
             solution = outcome
         elif isinstance(outcome, Infeasible):
-            error = Problem.infeasible(outcome.budget_bytes, outcome.min_budget_bytes)
+            error = Problem.infeasible(outcome.budget_bytes, outcome.min_budget_bytes,
+                                       outcome.memory)
         else:
             error = (Problem.failed(outcome.message, outcome.invalid)
                      if isinstance(outcome, Failed) else Problem.solve_failed(repr(outcome)))

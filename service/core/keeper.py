@@ -43,10 +43,10 @@ class StoreKeeper:
         self._wake = asyncio.Event()
 
     def _unavailable(self) -> Unavailable:
-        return Unavailable(
-            "Store unavailable",
+        return Unavailable.of(
+            STORE_UNAVAILABLE,
             f"the result store ({self.store.path}) cannot be written: {self.fault}. Answers "
-            "stored before are still served; retry later", type=STORE_UNAVAILABLE)
+            "stored before are still served; retry later")
 
     async def write(self, fn: Callable[..., T], *args: Any) -> T:
         """A store write in a thread: all of it or, raising ``Unavailable``, none."""

@@ -14,6 +14,7 @@ from typing import Annotated, Literal, TypeGuard
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter
 
 from optiremat.solver.solution import SolveStatus
+from optiremat.solver.step import Memory
 
 
 class _Outcome(BaseModel):
@@ -28,11 +29,13 @@ class Solved(_Outcome):
 
 
 class Infeasible(_Outcome):
-    """No plan fits ``budget_bytes``; ``min_budget_bytes`` is the smallest budget that does."""
+    """No plan fits ``budget_bytes``; ``min_budget_bytes`` is the smallest budget that does.
+    ``memory`` is what the budget counts (None in a record stored before it was kept)."""
 
     type: Literal["infeasible"] = "infeasible"
     budget_bytes: int
     min_budget_bytes: int
+    memory: Memory | None = None
 
 
 class BudgetRange(_Outcome):

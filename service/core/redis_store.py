@@ -216,9 +216,9 @@ class RedisStore:
     def unavailable(self, exc: Exception) -> Unavailable | None:
         if not isinstance(exc, RedisError):
             return None
-        return Unavailable("Store unavailable",
-                           f"Redis does not answer ({type(exc).__name__}: {exc}); retry shortly",
-                           type=STORE_UNAVAILABLE)
+        return Unavailable.of(
+            STORE_UNAVAILABLE,
+            f"Redis does not answer ({type(exc).__name__}: {exc}); retry shortly")
 
     # ---- reads ------------------------------------------------------------------
 

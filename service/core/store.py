@@ -164,9 +164,8 @@ class SqliteStore:
     def unavailable(self, exc: Exception) -> Unavailable | None:
         if not isinstance(exc, sqlite3.OperationalError):
             return None
-        return Unavailable("Store unavailable",
-                           f"the result store ({self.path}) failed: {exc}; retry shortly",
-                           type=STORE_UNAVAILABLE)
+        return Unavailable.of(STORE_UNAVAILABLE,
+                              f"the result store ({self.path}) failed: {exc}; retry shortly")
 
     def close(self) -> None:
         with self._lock:

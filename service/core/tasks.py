@@ -98,6 +98,7 @@ class CancelFlag(Protocol):
 def _solve(task: SolveTask, graph_json: str, cancel: CancelFlag,
            report: Callable[[Progress], None]) -> TaskResult:
     from optiremat.solver.graph import CostGraph
+    from optiremat.solver.peak import resolve_memory
     from optiremat.solver.solution import InfeasibleBudgetError
     from optiremat.solver.solve import solve
 
@@ -122,7 +123,8 @@ def _solve(task: SolveTask, graph_json: str, cancel: CancelFlag,
         solution = solve(graph, task.budget_bytes, task.options,
                          progress=progress, cancel=cancel)  # type: ignore[arg-type]
     except InfeasibleBudgetError as exc:
-        return Infeasible(budget_bytes=exc.budget_bytes, min_budget_bytes=exc.min_budget_bytes)
+        return Infeasible(budget_bytes=exc.budget_bytes, min_budget_bytes=exc.min_budget_bytes,
+                          memory=resolve_memory(graph, task.options.memory))
     return Solved(solution_json=solution.model_dump_json())
 
 

@@ -82,8 +82,7 @@ async def list_jobs(
     try:
         return await front.list_jobs(request.state.owner, status, limit, cursor)
     except ValueError as exc:
-        raise ProblemError(422, "Invalid request", f"cursor: {exc}",
-                           type=INVALID_REQUEST) from exc
+        raise ProblemError.of(INVALID_REQUEST, 422, f"cursor: {exc}") from exc
 
 
 @router.get(

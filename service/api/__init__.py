@@ -1,0 +1,1 @@
+"""The HTTP layer over ``core``: routes, dependencies, request models, problems, OpenAPI."""
