@@ -37,7 +37,7 @@ from typing import Protocol
 from optiremat.client.calibration import assumed_working_bytes, working_bytes
 from optiremat.client.placement import Placement, Region
 from optiremat.client.policy import KeyPolicy
-from optiremat.client.step import measured_peak
+from optiremat.client.step import lowered_peak
 from optiremat.client.step_graph import StepExtraction
 from optiremat.solver.baselines import policy_saves
 from optiremat.solver.graph import CostGraph, NodeMode
@@ -51,7 +51,8 @@ MAX_ROUNDS = 4
 # Solves tightening past a built-in's shift when the solver's plan there holds more.
 MAX_TIGHTENINGS = 3
 # Checkpoint names tried alone, at most (an LM layer names about eight values), and the
-# candidates measured in all: each is a compile.
+# candidates measured in all: each is a compile. While no plan fits, every candidate is
+# measured (leanest first): the alternative is refusing a budget a candidate meets.
 MAX_NAMED = 12
 MAX_CANDIDATES_MEASURED = 4
 
@@ -140,7 +141,7 @@ def step_measure(fun: Callable, args: Sequence, extracted: StepExtraction,
     def peak_of(keys: frozenset[str], groups: tuple[int, ...] | None) -> int:
         expanded = frozenset(k for key in keys for k in aliases.get(key, {key}))
         applied = placement.apply(fun, KeyPolicy(expanded), groups)
-        return measured_peak(placement.step.function(applied).lower(*args).compile())
+        return lowered_peak(placement.step.function(applied).lower(*args))
 
     return StepMeasure(extracted.graph, peak_of)
 
@@ -169,6 +170,7 @@ class _Refinement:
         self.unmeasured_share = view.held_bytes - graph.step.held_bytes - max(
             (p.fixed_residual_bytes for p in view.phases), default=0)
         self.candidates_measured = 0
+        self.lowest_measured: int | None = None  # the smallest peak measured: what to name
         self.best: Solution | None = None
         self.tried: set[int] = set()
         self.options: SolveOptions | None = None  # as the solver echoed the request
@@ -249,11 +251,12 @@ class _Refinement:
             predicted = view.predicted(offered)
             if predicted - self.unmeasured_share > self.budget:
                 continue  # over the budget whatever its working sets
-            if self.candidates_measured == MAX_CANDIDATES_MEASURED:
+            if self.best is not None and self.candidates_measured >= MAX_CANDIDATES_MEASURED:
                 return
             self.candidates_measured += 1
             keys = frozenset(k for k, s in zip(self.graph.node_key, offered, strict=True) if s)
             shift = self.measure.measure(offered, keys, None)[0]
+            self._saw(predicted + shift)
             if predicted + shift > self.budget:
                 continue
             # The solver's plan there may hold a little more than the built-in does:
@@ -278,8 +281,8 @@ class _Refinement:
         smallest = self._measured(smallest)
         if self._fits(smallest):
             return smallest
-        assert smallest.peak_bytes is not None
-        raise InfeasibleBudgetError(self.budget, smallest.peak_bytes)
+        assert self.lowest_measured is not None
+        raise InfeasibleBudgetError(self.budget, self.lowest_measured)
 
     def _priced(self, offered: Sequence[bool], keys: frozenset[str], budget: int) -> Solution:
         """The plan saving exactly ``offered`` (the policy keys ``keys``), as the solver
@@ -300,8 +303,13 @@ class _Refinement:
         saves = [d != "recompute" for d in answer.node_decisions]
         delta, working = self.measure.measure(saves, frozenset(answer.saved_keys),
                                               answer.groups)
+        self._saw(answer.peak_bytes + delta)
         return answer.model_copy(update={"budget_bytes": self.budget, "working_bytes": working,
                                          "peak_bytes": answer.peak_bytes + delta})
+
+    def _saw(self, peak: int) -> None:
+        if self.lowest_measured is None or peak < self.lowest_measured:
+            self.lowest_measured = peak
 
     def _fits(self, answer: Solution) -> bool:
         assert answer.peak_bytes is not None

@@ -10,7 +10,8 @@ the arguments, the gradients, less the outputs that reuse donated arguments.
 
 from __future__ import annotations
 
-from collections import Counter
+import hashlib
+from collections import Counter, OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -41,6 +42,27 @@ def measured_peak(compiled: jax.stages.Compiled) -> int:
     m = memory_analysis(compiled)
     return (m.argument_size_in_bytes + m.output_size_in_bytes + m.temp_size_in_bytes
             - m.alias_size_in_bytes)
+
+
+# Peaks of programs compiled in this process, by program text: planning compiles the step
+# under the plan it answers, and ``verify(peak=True)``, a second ``optimize`` of the same
+# function or a frontier's neighbouring budgets compile the same program again.
+_PEAKS: OrderedDict[tuple[str, str], int] = OrderedDict()
+MAX_REMEMBERED_PEAKS = 1024
+
+
+def lowered_peak(lowered: jax.stages.Lowered) -> int:
+    """``measured_peak`` of ``lowered`` compiled; a program this process compiled already
+    (the same StableHLO text on the same backend) is not compiled again."""
+    key = (jax.default_backend(), hashlib.sha256(lowered.as_text().encode()).hexdigest())
+    if key in _PEAKS:
+        _PEAKS.move_to_end(key)
+        return _PEAKS[key]
+    peak = measured_peak(lowered.compile())
+    _PEAKS[key] = peak
+    if len(_PEAKS) > MAX_REMEMBERED_PEAKS:
+        _PEAKS.popitem(last=False)
+    return peak
 
 
 def _as_tuple(argnums: int | Sequence[int]) -> tuple[int, ...]:

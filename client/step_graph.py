@@ -18,7 +18,7 @@ from optiremat.client.calibration import assumed_working_bytes, calibrate_phases
 from optiremat.client.extract.graphs import Extraction, graph_of_traced
 from optiremat.client.extract.tracing import trace
 from optiremat.client.placement import Region, RegionMarker, find_regions, place
-from optiremat.client.step import Step, measured_peak
+from optiremat.client.step import Step, lowered_peak
 from optiremat.solver.graph import CostGraph
 from optiremat.solver.step import RegionMemory, StepMemory
 
@@ -69,7 +69,7 @@ def step_extraction(fun: Callable, args: Sequence, step: Step, *, name: str = ""
             out = place(closed, jax.tree_util.tree_leaves(args), regions,
                         [policy] * len(regions), flags)
             return jax.tree_util.tree_unflatten(traced.out_tree, out)
-        return measured_peak(step.function(placed).lower(*args).compile())
+        return lowered_peak(step.function(placed).lower(*args))
 
     calibrated = calibrate_phases(extraction.graph, regions, step_peak)
     graph = CostGraph.model_construct(**{**dict(extraction.graph), "step": calibrated})
