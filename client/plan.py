@@ -28,7 +28,7 @@ from optiremat.client.names import tag_every_value
 from optiremat.client.placement import Placement
 from optiremat.client.policy import KeyPolicy
 from optiremat.client.refine import refined_solve, step_measure
-from optiremat.client.step import Step, measured_peak
+from optiremat.client.step import Step, lowered_peak
 from optiremat.client.step_graph import step_extraction
 from optiremat.solver.errors import OptirematError
 from optiremat.solver.graph import CostGraph
@@ -43,7 +43,8 @@ SolveFn = Callable[..., Solution]
 # Where offloaded residuals go: JAX's names for accelerator and pinned host memory.
 OFFLOAD_SRC, OFFLOAD_DST = "device", "pinned_host"
 
-# A measured peak this far above the prediction means XLA did not follow the plan.
+# A measured peak this far from the prediction, either way, is warned about: above it, XLA
+# did not follow the plan; below it, the plan recomputes more than its budget needs.
 PEAK_TOLERANCE = 0.10
 
 
@@ -128,15 +129,23 @@ class Verification:
 
     @property
     def warning(self) -> str:
-        """Empty, or what to do when XLA holds much more than the plan predicted."""
+        """Empty, or what to do when XLA's peak and the prediction differ by more than
+        ``PEAK_TOLERANCE`` either way."""
         error = self.peak_error
-        if error is None or error >= -PEAK_TOLERANCE:
+        if error is None or abs(error) <= PEAK_TOLERANCE:
             return ""
         measured, predicted = self.measured_peak_bytes or 0, self.predicted_peak_bytes or 0
-        return (f"XLA's schedule holds {format_bytes(measured)}, {-error:.0%} more than the "
-                f"predicted {format_bytes(predicted)}: it does not follow the plan's regions. "
-                "Remat lowers the peak reliably inside lax.scan over layers (nnx.scan, "
-                "eqx scan-over-layers); XLA reschedules unrolled loops of checkpointed blocks.")
+        if error < 0:
+            return (f"XLA's schedule holds {format_bytes(measured)}, {-error:.0%} more than the "
+                    f"predicted {format_bytes(predicted)}: it does not follow the plan's "
+                    "regions. Remat lowers the peak reliably inside lax.scan over layers "
+                    "(nnx.scan, eqx scan-over-layers); XLA reschedules unrolled loops of "
+                    "checkpointed blocks.")
+        return (f"XLA's schedule holds {format_bytes(measured)}, {error:.0%} less than the "
+                f"predicted {format_bytes(predicted)}: the plan recomputes more than its budget "
+                "needs. Plans price each array whole, so on a device mesh, where a device "
+                "holds a shard, they are cautious by about the mesh's size; a plan made for "
+                "other arguments than these is cautious too.")
 
 
 def _names_form(traced: Traced, budget_bytes: int, options: dict,
@@ -366,7 +375,7 @@ class Plan:
                             "device ones. Verify it on a GPU or TPU, or check its residuals "
                             "and host bytes here with peak=False")
         if peak:
-            measured_peak_bytes = measured_peak(step.function(applied).lower(*args).compile())
+            measured_peak_bytes = lowered_peak(step.function(applied).lower(*args))
         return Verification(self.residual_bytes, sum(r.bytes for r in residuals if not r.host),
                             self.budget_bytes, residuals,
                             predicted_host_bytes=self.host_bytes,
