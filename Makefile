@@ -17,10 +17,12 @@ $(STAMP): pyproject.toml
 serve: $(STAMP)
 	$(VENV)/bin/optiremat serve
 
+# pytest runs one worker per core; each test file stays in one worker (loadfile), so the
+# models a module extracts and compiles once serve all its tests.
 test: $(STAMP)
 	$(PY) -m ruff check .
 	$(PY) tools/typecheck.py
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q -n auto --dist loadfile
 
 bench: $(STAMP)
 	$(PY) bench/models.py

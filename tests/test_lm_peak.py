@@ -28,6 +28,9 @@ from optiremat.solver.peak import BudgetView
 from optiremat.solver.semantics import recompute_flops
 from tests.lm_models import PRESETS, dot_flops, lm
 
+# Among the suite's longest: handed out first (tests/conftest.py).
+pytestmark = pytest.mark.slow
+
 STEP = Step.of(0)
 # A large vocabulary for these sizes (the head's phase sets the peak) and a small one
 # (the layers' backward sets it).

@@ -14,6 +14,9 @@ import pytest
 
 from tests.service_harness import REPO, Server, running_server
 
+# Among the suite's longest: handed out first (tests/conftest.py).
+pytestmark = pytest.mark.slow
+
 BLOCK = re.compile(r"^```python\n(.*?)^```", re.DOTALL | re.MULTILINE)
 SHELL = re.compile(r"^```sh\n(.*?)^```", re.DOTALL | re.MULTILINE)
 

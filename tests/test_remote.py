@@ -31,6 +31,9 @@ from tests.peak_models import CORPUS as PEAK_CORPUS
 from tests.peak_models import residual_stack
 from tests.service_harness import REPO, Server, running_server
 
+# Among the suite's longest: handed out first (tests/conftest.py).
+pytestmark = pytest.mark.slow
+
 # Under the server's cap on synchronous solves, so both sides solve the same request.
 # These plans are residual plans of the classic corpus; test_peak_plans_travel covers peaks.
 OPTIONS = {"time_limit_s": 20.0, "memory": "residuals"}
