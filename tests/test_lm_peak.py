@@ -120,6 +120,19 @@ def test_at_a_named_presets_measured_peak_the_plan_does_fewer_dot_flops() -> Non
     assert dot_flops(plan.apply(fun), *args) <= dot_flops(preset, *args)
 
 
+def test_no_named_preset_reaches_a_peak_the_plans_cannot() -> None:
+    """The smallest feasible budget is at most every preset's measured peak: at the
+    leanest preset's, a plan fits as XLA measures it (a named value saved alone can
+    split a layer's backward and hold less than nothing_saveable does)."""
+    fun, args, extracted = _model("layers")
+    placement = Placement(extracted.regions, extracted.differentiated, STEP)
+    leanest = min(_peak(placement.apply(fun, jax.checkpoint_policies.save_only_these_names(
+        *saved)), args) for saved in PRESETS.values())
+    plan = optiremat.optimize(fun, *args, budget=leanest)
+    assert plan.peak_bytes is not None and plan.peak_bytes <= leanest
+    assert _peak(plan.apply(fun), args) <= leanest
+
+
 def test_explain_names_the_phase_that_sets_the_peak() -> None:
     text = _plan("head", "nothing_saveable").explain()
     assert "peak outside the regions" in text
