@@ -247,6 +247,19 @@ def info(primitive: core.Primitive) -> PrimitiveInfo:
     return REGISTRY.get(primitive, UNKNOWN)
 
 
+def unknown_body(eqn: core.JaxprEqn) -> str | None:
+    """The parameter naming a jaxpr in an equation whose primitive has no entry
+    (``shard_map``, say): counted as one elementwise equation, whatever runs inside it
+    would be missing from the graph, so extraction refuses it."""
+    if eqn.primitive in REGISTRY:
+        return None
+    for name, param in eqn.params.items():
+        values = param if isinstance(param, tuple | list) else (param,)
+        if any(isinstance(v, Jaxpr | ClosedJaxpr) for v in values):
+            return name
+    return None
+
+
 def body(eqn: core.JaxprEqn) -> Jaxpr:
     """The jaxpr a call-like equation runs."""
     name = info(eqn.primitive).body

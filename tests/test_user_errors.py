@@ -1,12 +1,14 @@
 """Bad input to the Python API gets a clear error naming what is wrong, before any solve:
-a function with no floating-point output, a scan that runs no iteration, a plan file
-whose decisions do not fit its graph."""
+a function with no floating-point output, a scan that runs no iteration, a shard_map
+inside the step, a plan file whose decisions do not fit its graph."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
+import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 from jax import lax
 
@@ -110,3 +112,26 @@ def test_a_graph_or_junk_given_as_a_plan_is_named(plan_path: Path, tmp_path: Pat
     junk.write_text("{not json")
     with pytest.raises(optiremat.PlanFileError, match="is not a valid plan file: Invalid JSON"):
         optiremat.load_plan(junk)
+
+
+def stack_under_shard_map(ws, x):
+    mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]), ("data",))
+    spec = jax.sharding.PartitionSpec("data")
+
+    def per_shard(x):
+        return lax.scan(lambda h, w: (jnp.tanh(h @ w), None), x, ws)[0]
+
+    return jnp.sum(jax.shard_map(per_shard, mesh=mesh, in_specs=spec, out_specs=spec)(x))
+
+
+@pytest.mark.parametrize("memory", ["peak", "residuals"])
+def test_a_shard_map_inside_the_step_is_refused_with_its_place_before_any_solve(
+        memory: str) -> None:
+    """Its body is not walked yet: planned as one elementwise equation, the layers inside
+    it were missing from the graph and the plan was empty, said to be optimal."""
+    calls: list[int] = []
+    with pytest.raises(optiremat.ExtractionError,
+                       match=r"shard_map at .*test_user_errors\.py.* per-shard function"):
+        optiremat.optimize(stack_under_shard_map, WS, X, budget="1MiB", memory=memory,
+                           solve_fn=counting_solve(calls))
+    assert calls == []

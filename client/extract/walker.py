@@ -30,7 +30,7 @@ from optiremat.client.extract.state import (
 )
 from optiremat.client.keys import policy_key
 from optiremat.client.placement import RegionMarker
-from optiremat.client.primitives import Role, body, info
+from optiremat.client.primitives import Role, body, info, unknown_body
 from optiremat.solver.graph import GraphBuilder, NodeMode
 
 
@@ -114,6 +114,12 @@ class Walker:
 
         for eqn in jaxpr.eqns:
             refs = [read(x) for x in eqn.invars]
+            if (inner := unknown_body(eqn)) is not None:
+                raise ExtractionError(
+                    f"{eqn.primitive.name} at {jx.source_of(eqn)} runs a jaxpr (its {inner!r}) "
+                    "that optiremat does not look inside yet, so the residuals and FLOPs of "
+                    "what runs there cannot be predicted. Plan the function it wraps (for "
+                    "shard_map: the per-shard function, with per-shard argument shapes)")
             rule = ROLE_RULES.get(info(eqn.primitive).role)
             if rule is not None:
                 outs = rule(self, eqn, refs, ctx)
