@@ -19,10 +19,12 @@ serve: $(STAMP)
 
 # pytest runs one worker per core; each test file stays in one worker (loadfile), so the
 # models a module extracts and compiles once serve all its tests.
-test: $(STAMP)
+test: lint
+	$(PY) -m pytest -q -n auto --dist loadfile
+
+lint: $(STAMP)
 	$(PY) -m ruff check .
 	$(PY) tools/typecheck.py
-	$(PY) -m pytest -q -n auto --dist loadfile
 
 bench: $(STAMP)
 	$(PY) bench/models.py
