@@ -99,7 +99,7 @@ def frontier(model: Model | LM, points: int) -> dict:
         misses.append(sol.peak_bytes - peak)
         # The phase model's own price of the plan, before refinement measured it.
         priced = BudgetView.of(g, None, sol.groups).predicted(
-            [d != "recompute" for d in sol.node_decisions])
+            sol.kept())
         model_errors.append((priced - peak) / peak)
         fit = peak <= budget
         fits += fit

@@ -28,6 +28,24 @@ The model is deliberately conservative: it assumes all of that coexists with
 the residuals at their peak. The optimizer state is taken to be donated with
 the parameters (a step jitted with ``donate_argnums`` covering both): it counts
 as donated when every parameter argument is.
+
+Held memory is counted in two places, with two donation rules, on purpose:
+
+* ``Step.held_memory`` (``client/step.py``) is the part of a *peak* that no plan
+  changes, inside the gradient step optiremat compiles and measures
+  (``jax.jit(jax.grad(fun), donate_argnums=...)``): its outputs are the gradients,
+  and a donated argument's buffer aliases one gradient of its shape and dtype,
+  XLA's own rule, so predicted peaks match ``measured_peak`` byte for byte. A
+  peak budget's held bytes come from there (the graph's ``StepMemory``); here a
+  peak budget subtracts only headroom and the optimizer state, which that step
+  does not hold.
+* The residual budget here models the user's whole training step, which
+  optiremat never compiles: the optimizer's updated parameters and state need
+  new buffers unless their arguments are donated, judged per argument, not per
+  buffer. A model, not a measurement, and so conservative.
+
+Sizes here come from each leaf's NumPy dtype (a Python float is 8 bytes), while
+``Step.held_memory`` uses JAX's dtype (4 bytes without x64), as the step holds it.
 """
 
 from __future__ import annotations

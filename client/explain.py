@@ -15,7 +15,7 @@ from optiremat.solver.graph import CostGraph
 from optiremat.solver.nesting import forward_flops
 from optiremat.solver.peak import BudgetView
 from optiremat.solver.semantics import Evaluation, evaluate
-from optiremat.solver.solution import Solution
+from optiremat.solver.solution import Decision, Solution
 from optiremat.solver.units import format_bytes
 
 
@@ -26,7 +26,7 @@ def explain_plan(graph: CostGraph, solution: Solution, top: int | None = 20) -> 
              f"solved by {sol.solver} {sol.solver_version} in {sol.solve_seconds:.2f} s"]
     if not sol.node_decisions:
         return "\n".join([*lines, "no plan: the solver stopped before it found one"])
-    evaluation = evaluate(graph, [d != "recompute" for d in sol.node_decisions])
+    evaluation = evaluate(graph, sol.kept())
     recomputed = [n for n in evaluation.active if graph.node_key[n]]
     lines.append(
         f"budget {format_bytes(sol.budget_bytes)}; residuals {format_bytes(sol.residual_bytes)} "
@@ -100,7 +100,7 @@ def phase_breakdown(graph: CostGraph, solution: Solution) -> list[str]:
     model prices it, and which one sets the peak (``solver.peak.step_phases``)."""
     step = graph.step
     assert step is not None
-    saves = [d != "recompute" for d in solution.node_decisions]
+    saves = solution.kept()
     view = BudgetView.of(graph, None, solution.groups)
     planned = view.predicted(saves) - view.held_bytes  # the plan's residuals, every phase
     peak = view.peak_phase()
@@ -135,7 +135,7 @@ def lever_breakdown(graph: CostGraph, solution: Solution) -> list[str]:
     """What each lever bought: the bytes of the peak model (working set aside) that
     the plan's policy, its nested groups and its offload each take off saving
     everything in every layer, and what each costs."""
-    saves = [d != "recompute" for d in solution.node_decisions]
+    saves = solution.kept()
     view = BudgetView.of(graph, None)
     everything = view.predicted([True] * graph.num_nodes)
     per_layer = view.predicted(saves)  # offloaded residuals still on the device here
@@ -171,7 +171,7 @@ def _residual_table(graph: CostGraph, sol: Solution, evaluation: Evaluation,
             rows.append((graph.value_bytes[v], "input", shape, -1,
                          "argument" if v in inputs else ""))
         else:
-            offloaded = sol.node_decisions[node] == "offload"
+            offloaded = sol.node_decisions[node] == Decision.OFFLOAD
             rows.append((graph.value_bytes[v],
                          graph.node_primitive[node] + (" (host)" if offloaded else ""), shape,
                          graph.node_flops[node], graph.node_source[node]))

@@ -12,7 +12,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from optiremat.solver.baselines import BUILTIN_POLICIES, policy_saves
+from optiremat.solver.baselines import BUILTIN_POLICIES, builtin_offered_saves
 from optiremat.solver.frontier import (
     FrontierResult,
     frontier_of,
@@ -152,8 +152,7 @@ def graph_builtin_points(graph: CostGraph,
     base = baseline_backward_flops(graph)
     view = BudgetView.of(graph, None)
     points = {}
-    for name, saves in policy_saves(graph).items():
-        offered = [s and bool(key) for s, key in zip(saves, graph.node_key, strict=True)]
+    for name, offered in builtin_offered_saves(graph).items():
         ev = evaluate(graph, offered)
         peak = view.predicted(offered) if view.memory == Memory.PEAK else None
         if peak is not None and regions is not None:

@@ -32,7 +32,7 @@ from optiremat.client.step import Step, lowered_peak
 from optiremat.client.step_graph import step_extraction
 from optiremat.solver.errors import OptirematError
 from optiremat.solver.graph import CostGraph
-from optiremat.solver.solution import Solution
+from optiremat.solver.solution import Decision, Solution
 from optiremat.solver.solve import solve
 from optiremat.solver.step import Memory
 from optiremat.solver.units import format_bytes
@@ -154,13 +154,14 @@ def _names_form(traced: Traced, budget_bytes: int, options: dict,
     extraction = graph_of_traced(trace(tagged, traced_args(traced), {}), names=True)
     solution = solve_fn(extraction.graph, budget_bytes, **{**options, "tie": False})
 
-    def named(decision: str) -> frozenset[str]:
+    def named(decision: Decision) -> frozenset[str]:
         keys = extraction.graph.node_key
         return frozenset(extraction.names_by_key[keys[n]]
                          for n, d in enumerate(solution.node_decisions)
                          if d == decision and keys[n] in extraction.names_by_key)
 
-    return NamesForm(tagged, named("save"), extraction.graph, solution, named("offload"))
+    return NamesForm(tagged, named(Decision.SAVE), extraction.graph, solution,
+                     named(Decision.OFFLOAD))
 
 
 def traced_args(traced: Traced) -> tuple:
@@ -247,7 +248,7 @@ class Plan:
 
     # ---- the forms --------------------------------------------------------
 
-    def _keys(self, decision: str) -> frozenset[str]:
+    def _keys(self, decision: Decision) -> frozenset[str]:
         """Policy keys decided so; a graph key standing for several expands to all of them."""
         g = self.graph
         keys: set[str] = set()
@@ -260,12 +261,12 @@ class Plan:
     @cached_property
     def saved_keys(self) -> frozenset[str]:
         """Policy keys to save on the device."""
-        return self._keys("save")
+        return self._keys(Decision.SAVE)
 
     @cached_property
     def offloaded_keys(self) -> frozenset[str]:
         """Policy keys to offload to host memory: the policy answers ``Offloadable``."""
-        return self._keys("offload")
+        return self._keys(Decision.OFFLOAD)
 
     @property
     def policy(self) -> KeyPolicy:

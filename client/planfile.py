@@ -19,7 +19,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 from optiremat.solver.errors import OptirematError
 from optiremat.solver.graph import CostGraph
 from optiremat.solver.semantics import Evaluation, evaluate
-from optiremat.solver.solution import Solution
+from optiremat.solver.solution import Decision, Solution
 from optiremat.solver.validation_message import validation_message
 
 if TYPE_CHECKING:
@@ -48,7 +48,7 @@ class PlanFile(BaseModel):
             raise ValueError(
                 f"solution.node_decisions has {len(decisions)} entries but the graph has "
                 f"{self.graph.num_nodes} nodes: one decision per node")
-        if "offload" in decisions and self.solution.options.offload is None:
+        if Decision.OFFLOAD in decisions and self.solution.options.offload is None:
             raise ValueError("solution.node_decisions offloads a node, but the solution's "
                              "options have no offload")
         return self
@@ -75,7 +75,7 @@ class PlanFile(BaseModel):
     def evaluation(self) -> Evaluation:
         """The plan replayed on its graph: residuals and the equations recomputed."""
         # An offloaded node is saved (its residual lives in host memory).
-        return evaluate(self.graph, [d != "recompute" for d in self.solution.node_decisions])
+        return evaluate(self.graph, self.solution.kept())
 
     def policy(self) -> KeyPolicy:
         """The policy for ``jax.checkpoint`` (tied plans only)."""

@@ -39,7 +39,7 @@ from optiremat.client.placement import Placement, Region
 from optiremat.client.policy import KeyPolicy
 from optiremat.client.step import lowered_peak
 from optiremat.client.step_graph import StepExtraction
-from optiremat.solver.baselines import policy_saves
+from optiremat.solver.baselines import builtin_offered_saves
 from optiremat.solver.graph import CostGraph, NodeMode
 from optiremat.solver.peak import BudgetView, priced_extra_bytes
 from optiremat.solver.semantics import recompute_flops
@@ -235,8 +235,7 @@ class _Refinement:
         g = self.graph
         named = sorted({k for k, p in zip(g.node_key, g.node_primitive, strict=True)
                         if p == "name" and k})[:MAX_NAMED]
-        candidates = [[s and bool(k) for s, k in zip(saves, g.node_key, strict=True)]
-                      for saves in policy_saves(g).values()]
+        candidates = list(builtin_offered_saves(g).values())
         candidates += [[k == key for k in g.node_key] for key in named]
         view = BudgetView.of(g, None)
         return sorted(candidates, key=lambda saves: (view.predicted(saves),
@@ -300,7 +299,7 @@ class _Refinement:
     def _measured(self, answer: Solution) -> Solution:
         """``answer`` with its own working set and the peak it makes."""
         assert answer.peak_bytes is not None
-        saves = [d != "recompute" for d in answer.node_decisions]
+        saves = answer.kept()
         delta, working = self.measure.measure(saves, frozenset(answer.saved_keys),
                                               answer.groups)
         self._saw(answer.peak_bytes + delta)

@@ -117,7 +117,8 @@ class Step:
                        donate_argnums=self.donate_argnums)
 
     def held_memory(self, args: Sequence) -> tuple[int, int, int]:
-        """(argument, output, alias) bytes: what the step holds whatever the plan."""
+        """(argument, output, alias) bytes: what the step holds whatever the plan.
+        Why ``budget="auto"`` counts donation differently: ``client/budget.py``."""
         def nbytes(leaf: Any) -> int:
             return aval_bytes(jax.core.ShapedArray(np.shape(leaf), jnp.result_type(leaf)))
 

@@ -14,6 +14,7 @@ from optiremat.solver.semantics import (
 )
 from optiremat.solver.solution import (
     Backend,
+    Decision,
     InfeasibleBudgetError,
     Solution,
     SolveOptions,
@@ -25,6 +26,7 @@ __all__ = [
     "SCHEMA_VERSION",
     "Backend",
     "CostGraph",
+    "Decision",
     "Evaluation",
     "GraphBuilder",
     "GraphError",

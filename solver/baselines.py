@@ -62,6 +62,18 @@ def policy_saves(graph: CostGraph) -> dict[str, list[bool]]:
     return saves
 
 
+def offered_saves(graph: CostGraph, saves: Sequence[bool]) -> list[bool]:
+    """``saves`` restricted to what a policy is offered: a node without a policy key
+    is never asked, so a policy applied to the step cannot save it."""
+    return [s and bool(key) for s, key in zip(saves, graph.node_key, strict=True)]
+
+
+def builtin_offered_saves(graph: CostGraph) -> dict[str, list[bool]]:
+    """Per built-in policy the graph can express, what it saves of what it is offered
+    (``policy_saves`` through ``offered_saves``): the built-in applied to the step."""
+    return {name: offered_saves(graph, saves) for name, saves in policy_saves(graph).items()}
+
+
 def greedy_saves(graph: CostGraph, budget_bytes: int) -> list[bool]:
     """The greedy FLOPs-per-byte knapsack over policy keys (key-less nodes alone)."""
     groups: dict[str, list[int]] = {}

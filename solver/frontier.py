@@ -65,7 +65,7 @@ def solve_budgets(
             result = err
         else:
             if result.node_decisions:
-                start = [d != "recompute" for d in result.node_decisions]
+                start = result.kept()
         results[budget] = result
         if on_point is not None:
             on_point(budget, result)

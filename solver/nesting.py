@@ -156,7 +156,7 @@ def _with_groups(graph: CostGraph, answer: Solution, groups: Groups) -> Solution
         "lower_bound_flops": answer.lower_bound_flops + extra}
     if answer.node_decisions:
         update["residual_bytes"] = nested_residual_bytes(
-            graph, [d != "recompute" for d in answer.node_decisions], groups)
+            graph, answer.kept(), groups)
     return answer.model_copy(update=update)
 
 

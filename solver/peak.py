@@ -281,7 +281,7 @@ class BudgetView:
             return answer
         update: dict[str, Any] = {"graph_hash": graph.content_hash, "budget_bytes": budget}
         if answer.node_decisions:
-            full = evaluate(graph, [d != "recompute" for d in answer.node_decisions])
+            full = evaluate(graph, answer.kept())
             update["residual_bytes"] = full.residual_bytes - answer.host_bytes
             update["peak_bytes"] = self.budget(answer.residual_bytes)
         return answer.model_copy(update=update)

@@ -384,14 +384,14 @@ class FoldedSearch:
     def _unfold(self, answer: Solution, budget: int) -> Solution:
         update: dict[str, Any] = {"graph_hash": self.graph.content_hash}
         if answer.node_decisions:
-            decisions = self.folded.expand(answer.node_decisions)
-            plan = evaluate_offload(self.graph, [d != "recompute" for d in decisions],
-                                    [d == "offload" for d in decisions])
+            unfolded = answer.model_copy(
+                update={"node_decisions": self.folded.expand(answer.node_decisions)})
+            plan = evaluate_offload(self.graph, unfolded.kept(), unfolded.offloaded())
             recompute = plan.evaluation.backward_flops - self.baseline
             assert (plan.device_bytes, plan.host_bytes, recompute) == (
                 answer.residual_bytes, answer.host_bytes, answer.recompute_flops,
             ), "the folded graph priced the plan differently from the full graph"
-            update["node_decisions"] = decisions
+            update["node_decisions"] = unfolded.node_decisions
             if answer.baselines is not None:
                 update["baselines"] = compare(self.graph, budget, recompute)
         return answer.model_copy(update=update)

@@ -49,7 +49,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from fractions import Fraction
-from typing import Any, Literal
+from typing import Any
 
 import ortools
 
@@ -75,6 +75,7 @@ from optiremat.solver.repeats import FoldedSearch, compress
 from optiremat.solver.semantics import Evaluation, baseline_backward_flops, evaluate
 from optiremat.solver.solution import (
     Backend,
+    Decision,
     InfeasibleBudgetError,
     Solution,
     SolveOptions,
@@ -84,7 +85,6 @@ from optiremat.solver.solution import (
 # progress(incumbent, bound, elapsed_s): the cost in recompute FLOPs (with offload,
 # FLOP-equivalents rounded down).
 ProgressCallback = Callable[[int, int, float], None]
-Decision = Literal["save", "offload", "recompute"]
 
 MAX_TIGHTENINGS = 3  # re-solves of an over-budget floating-point plan before CP-SAT takes over
 PHASE2_WORK = 2.0  # phase 2's effort cap, relative to phase 1's
@@ -258,7 +258,7 @@ class Search:
             return None
         if not tied.node_decisions:
             return None
-        return [d == "save" for d in tied.node_decisions]
+        return tied.saved()
 
     def _cut_start(self, budget: int) -> _Plan | None:
         """The cheapest plan the Lagrangian walk meets, and its bound kept for later."""
@@ -511,8 +511,8 @@ class Search:
             recompute_flops=final.recompute_flops,
             lower_bound_flops=math.floor(lower_bound),
             gap=gap,
-            saved_keys=sorted(key for key, d in chosen if d == "save"),
-            offloaded_keys=sorted(key for key, d in chosen if d == "offload"),
+            saved_keys=sorted(key for key, d in chosen if d == Decision.SAVE),
+            offloaded_keys=sorted(key for key, d in chosen if d == Decision.OFFLOAD),
             node_decisions=[_decision(saved, off) for saved, off in
                             zip(final.priced.saves, final.priced.offloaded, strict=True)],
             # Offload plans are judged on estimated seconds, which baselines do not
@@ -530,4 +530,4 @@ class Search:
 
 
 def _decision(saved: bool, offloaded: bool) -> Decision:
-    return "offload" if offloaded else "save" if saved else "recompute"
+    return Decision.OFFLOAD if offloaded else Decision.SAVE if saved else Decision.RECOMPUTE

@@ -5,7 +5,6 @@ from __future__ import annotations
 import hashlib
 import json
 from enum import StrEnum
-from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictInt
 
@@ -20,6 +19,17 @@ class SolveStatus(StrEnum):
     FEASIBLE = "feasible"  # a plan within budget, optimality not proven (gap > requested)
     INFEASIBLE = "infeasible"
     TIMED_OUT = "timed_out"  # time limit hit before any plan was found
+
+
+# The values are the wire format of ``Solution.node_decisions`` (so part of every
+# fingerprint and recorded answer), and their order is the schema's enum order.
+class Decision(StrEnum):
+    """What a plan does with a node's outputs: saves them in device memory, offloads
+    them to host memory, or recomputes them in the backward pass."""
+
+    SAVE = "save"  # kept in device memory for the backward pass
+    OFFLOAD = "offload"  # kept in host memory, copied back for the backward pass
+    RECOMPUTE = "recompute"  # recomputed in the backward pass
 
 
 class Backend(StrEnum):
@@ -86,8 +96,9 @@ class Solution(BaseModel):
     gap: float
     saved_keys: list[str]  # policy keys decided "save" (tied plans)
     offloaded_keys: list[str] = Field(default_factory=list)
-    # Per graph node, forced modes applied; "offload" only with ``options.offload``.
-    node_decisions: list[Literal["save", "offload", "recompute"]]
+    # Per graph node, forced modes applied; OFFLOAD only with ``options.offload``.
+    # Empty when the solver stopped before a plan.
+    node_decisions: list[Decision]
     solver: str
     solver_version: str
     solve_seconds: float = 0.0
@@ -114,6 +125,23 @@ class Solution(BaseModel):
     def host_bytes(self) -> int:
         """Residual bytes offloaded to host memory (0 without offload)."""
         return self.offload.host_bytes if self.offload is not None else 0
+
+    def kept(self) -> list[bool]:
+        """Per node, whether its outputs are kept for the backward pass (saved or
+        offloaded, i.e. not recomputed): the flags ``semantics.evaluate`` prices."""
+        return [d != Decision.RECOMPUTE for d in self.node_decisions]
+
+    def saved(self) -> list[bool]:
+        """Per node, whether its outputs are saved in device memory (offloaded: no)."""
+        return [d == Decision.SAVE for d in self.node_decisions]
+
+    def offloaded(self) -> list[bool]:
+        """Per node, whether its outputs are offloaded to host memory."""
+        return [d == Decision.OFFLOAD for d in self.node_decisions]
+
+    def recomputed(self) -> list[bool]:
+        """Per node, whether its outputs are recomputed in the backward pass."""
+        return [d == Decision.RECOMPUTE for d in self.node_decisions]
 
     def fingerprint(self) -> str:
         """sha256 over every deterministic field (all but ``solve_seconds``)."""

@@ -5,7 +5,13 @@ from __future__ import annotations
 import pytest
 
 from optiremat.solver import GraphBuilder, max_useful_budget, min_feasible_budget, solve
-from optiremat.solver.baselines import compare, greedy_saves, policy_saves
+from optiremat.solver.baselines import (
+    builtin_offered_saves,
+    compare,
+    greedy_saves,
+    offered_saves,
+    policy_saves,
+)
 from optiremat.solver.semantics import evaluate
 from optiremat.solver.synthetic import transformer_like
 
@@ -62,6 +68,23 @@ def test_builtin_extremes_and_the_batch_dims_column(stack) -> None:
     assert graph.node_batch_dims is None
     assert "dots_with_no_batch_dims_saveable" not in policy_saves(graph)
     assert "node_batch_dims" not in graph.canonical_json()  # old graphs keep their hash
+
+
+def test_a_policy_is_offered_only_the_nodes_with_a_policy_key() -> None:
+    b = GraphBuilder()
+    x = b.input(8)
+    y, z, w = b.value(8), b.value(8), b.value(8)
+    b.node("dot_general", [x], [y], flops=5, key="dot")
+    b.node("dot_general", [y], [z], flops=5)  # no key: no policy is asked about it
+    b.node("sin", [z], [w], flops=1, key="sin")
+    b.backward_reads = [y, z, w]
+    graph = b.build()
+    assert offered_saves(graph, [True, True, False]) == [True, False, False]
+    offered = builtin_offered_saves(graph)
+    assert offered.keys() == policy_saves(graph).keys()
+    assert offered["everything_saveable"] == [True, False, True]
+    assert offered["dots_saveable"] == [True, False, False]
+    assert not any(offered["nothing_saveable"])
 
 
 def test_greedy_is_the_empty_plan_when_nothing_fits(stack) -> None:

@@ -23,7 +23,7 @@ from optiremat.client.policy import KeyPolicy
 from optiremat.client.refine import LayerMeasure
 from optiremat.client.step import Step, measured_peak
 from optiremat.client.step_graph import StepExtraction, step_extraction
-from optiremat.solver.baselines import policy_saves
+from optiremat.solver.baselines import builtin_offered_saves
 from optiremat.solver.peak import BudgetView
 from optiremat.solver.semantics import recompute_flops
 from tests.lm_models import PRESETS, dot_flops, lm
@@ -55,8 +55,7 @@ def _builtin(which: str, policy: str) -> tuple[tuple[bool, ...], frozenset[str],
     """A built-in applied per layer: its saves on the graph, its keys, its measured peak."""
     fun, args, extracted = _model(which)
     g = extracted.graph
-    saves = tuple(s and bool(k) for s, k in zip(policy_saves(g)[policy], g.node_key,
-                                                strict=True))
+    saves = tuple(builtin_offered_saves(g)[policy])
     keys = frozenset(k for k, s in zip(g.node_key, saves, strict=True) if s)
     placement = Placement(extracted.regions, extracted.differentiated, STEP)
     return saves, keys, _peak(placement.apply(fun, KeyPolicy(keys)), args)

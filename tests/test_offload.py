@@ -28,6 +28,7 @@ from optiremat.client.plan import PlanError
 from optiremat.client.planfile import PlanFile, load_plan
 from optiremat.solver import (
     Backend,
+    Decision,
     GraphBuilder,
     InfeasibleBudgetError,
     NodeMode,
@@ -85,6 +86,28 @@ def test_cheap_transfers_offload_dear_ones_recompute() -> None:
     assert dear.recompute_flops == 3 * 10**6
     assert dear.node_decisions.count("recompute") == 3
     assert dear.offload.estimated_seconds == pytest.approx(3e6 / 4e14)
+
+
+def test_decisions_are_typed_and_keep_their_wire_strings() -> None:
+    """node_decisions parse to Decision members, dump as the strings every recorded
+    answer holds, and the accessors split the nodes three ways."""
+    sol = solve(chain(), 1000, offload=CHEAP)
+    assert all(type(d) is Decision for d in sol.node_decisions)
+    wire = json.loads(sol.model_dump_json())["node_decisions"]
+    assert sorted(wire) == ["offload", "offload", "offload", "save"]
+    again = Solution.model_validate_json(sol.model_dump_json())
+    assert again.node_decisions == sol.node_decisions
+    assert again.fingerprint() == sol.fingerprint()
+    dear = solve(chain(), 1000, offload=DEAR)
+    for s in (sol, dear):
+        for kept, saved, off, recomputed in zip(s.kept(), s.saved(), s.offloaded(),
+                                               s.recomputed(), strict=True):
+            assert saved + off + recomputed == 1 and kept == (saved or off)
+    assert (sum(sol.offloaded()), sum(sol.saved()), sum(sol.recomputed())) == (3, 1, 0)
+    assert (sum(dear.offloaded()), sum(dear.recomputed())) == (0, 3)
+    with pytest.raises(ValidationError):
+        Solution.model_validate({**json.loads(sol.model_dump_json()),
+                                 "node_decisions": ["keep"] * 4})
 
 
 def test_a_host_budget_of_zero_offloads_nothing() -> None:
@@ -220,8 +243,7 @@ def test_the_optimum_is_brute_forces(seed: int) -> None:
         return
     sol = solve(g, budget, offload=options)
     assert cost(g, sol) == best
-    plan = evaluate_offload(g, [d != "recompute" for d in sol.node_decisions],
-                            [d == "offload" for d in sol.node_decisions])
+    plan = evaluate_offload(g, sol.kept(), sol.offloaded())
     assert (plan.device_bytes, plan.host_bytes) == (sol.residual_bytes, sol.offload.host_bytes)
     assert sol.residual_bytes <= budget and sol.offload.host_bytes <= options.host_budget_bytes
 
@@ -277,9 +299,8 @@ def test_the_policy_offloads_exactly_what_the_plan_offloads(name: str) -> None:
             for e in to_host if e is not None}
     assert None not in to_host
     assert keys == plan.offloaded_keys
-    offloaded_nodes = [d == "offload" for d in plan.solution.node_decisions]
-    ev = evaluate_offload(plan.graph, [d != "recompute" for d in plan.solution.node_decisions],
-                          offloaded_nodes)
+    offloaded_nodes = plan.solution.offloaded()
+    ev = evaluate_offload(plan.graph, plan.solution.kept(), offloaded_nodes)
     producer = plan.graph.producer
     host_values = [v for v in ev.evaluation.residuals
                    if (p := producer[v]) is not None and offloaded_nodes[p]]

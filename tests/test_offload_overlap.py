@@ -53,9 +53,7 @@ def _every_plan(view: BudgetView, options: OffloadOptions, budget: int) -> Fract
 
 
 def _cost(view: BudgetView, options: OffloadOptions, sol: Solution) -> Fraction:
-    decisions = sol.node_decisions
-    plan = evaluate_offload(view.graph, [d != "recompute" for d in decisions],
-                            [d == "offload" for d in decisions])
+    plan = evaluate_offload(view.graph, sol.kept(), sol.offloaded())
     return PlanTime(view.graph, options).cost(plan)
 
 

@@ -46,9 +46,8 @@ def test_the_layer_inputs_go_to_host_and_each_offloaded_residual_is_copied_once_
     assert named and named <= plan.offloaded_keys  # the stacked layer inputs left the device
 
     jaxpr = jax.make_jaxpr(jax.grad(plan.apply(fun)))(*args).jaxpr
-    decisions = plan.solution.node_decisions
-    offloaded = [d == "offload" for d in decisions]
-    priced = evaluate_offload(graph, [d != "recompute" for d in decisions], offloaded)
+    offloaded = plan.solution.offloaded()
+    priced = evaluate_offload(graph, plan.solution.kept(), offloaded)
     host_values = [v for v in priced.evaluation.residuals
                    if (p := graph.producer[v]) is not None and offloaded[p]]
     to_host = _copies_to(jaxpr, jax_core.MemorySpace.Host)

@@ -90,6 +90,5 @@ def test_the_solver_plans_every_phase() -> None:
     assert floor == 12 * MiB + HEAD_WORKING + 8 * MiB
     roomy = solve(g, floor + 4 * MiB)
     assert roomy.peak_bytes is not None and roomy.peak_bytes <= floor + 4 * MiB
-    assert roomy.peak_bytes == BudgetView.of(g, None).predicted(
-        [d != "recompute" for d in roomy.node_decisions])
-    assert sum(d == "save" for d in roomy.node_decisions if d) >= 2
+    assert roomy.peak_bytes == BudgetView.of(g, None).predicted(roomy.kept())
+    assert sum(roomy.saved()) >= 2

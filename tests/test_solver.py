@@ -97,8 +97,7 @@ def optimum(all_plans: list[tuple[int, int]], budget: int) -> int | None:
 
 def check_plan(g: CostGraph, s: Solution, budget: int, tie: bool) -> None:
     """Reported numbers are the exact evaluation of the reported decisions."""
-    saved = [d == "save" for d in s.node_decisions]
-    ev = evaluate(g, saved)
+    ev = evaluate(g, s.saved())
     assert s.residual_bytes == ev.residual_bytes <= budget
     assert s.recompute_flops == ev.backward_flops - baseline_backward_flops(g)
     assert 0 <= s.lower_bound_flops <= s.recompute_flops

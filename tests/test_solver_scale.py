@@ -47,7 +47,7 @@ def test_a_start_plan_is_a_ceiling_and_keeps_the_optimum(stack) -> None:
     save_all = [True] * stack.num_nodes  # over budget: ignored as a start
     assert solve_from(stack, budget, cold.options, save_all).recompute_flops == \
         cold.recompute_flops
-    start = [d == "save" for d in cold.node_decisions]
+    start = cold.saved()
     warm = solve_from(stack, budget, cold.options, start)
     assert warm.status == SolveStatus.OPTIMAL
     assert warm.recompute_flops == cold.recompute_flops

@@ -14,6 +14,7 @@ from jax import lax
 
 import optiremat
 from optiremat.client.plan import plan_for
+from optiremat.solver.solution import Decision
 from optiremat.solver.solve import solve
 
 X = jnp.ones((8, 8))
@@ -97,7 +98,7 @@ def test_a_plan_whose_decisions_do_not_fit_its_graph_is_refused(
     assert "\n" not in message and "pydantic.dev" not in message
 
     offloads = plan.solution.model_copy(
-        update={"node_decisions": ["offload"] * nodes})
+        update={"node_decisions": [Decision.OFFLOAD] * nodes})
     edited.write_text(plan.model_copy(update={"solution": offloads}).model_dump_json())
     with pytest.raises(optiremat.PlanFileError, match="options have no offload"):
         optiremat.load_plan(edited)
