@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any
 from optiremat.solver import (
     SCHEMA_VERSION,
     CostGraph,
+    Decision,
     GraphError,
     InfeasibleBudgetError,
     OffloadOptions,
@@ -67,6 +68,7 @@ __all__ = [
     "BudgetError",
     "ConnectionFailed",
     "CostGraph",
+    "Decision",
     "ExtractionError",
     "Frontier",
     "GraphError",
