@@ -7,7 +7,6 @@ import struct
 import subprocess
 import sys
 import textwrap
-from collections.abc import Iterator
 from pathlib import Path
 
 import jax
@@ -20,7 +19,7 @@ from optiremat.client.target import load_target
 from optiremat.solver.graph import CostGraph
 from optiremat.solver.offload import OffloadOptions
 from optiremat.solver.solve import max_useful_budget, min_feasible_budget, solve
-from tests.service_harness import REPO, Server, running_server
+from tests.service_harness import REPO, Server
 
 MODEL = textwrap.dedent("""
     import jax.numpy as jnp
@@ -50,11 +49,6 @@ def graph_file(workdir: Path) -> Path:
     assert main(["extract", f"{workdir / 'cli_model.py'}:loss", "--out", str(out),
                  "--memory", "residuals"]) == 0
     return out
-
-
-@pytest.fixture(scope="module")
-def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
-    yield from running_server(tmp_path_factory)
 
 
 def budget_between(graph: CostGraph) -> int:

@@ -5,7 +5,6 @@ real ``optiremat serve`` on loopback."""
 from __future__ import annotations
 
 import inspect
-from collections.abc import Iterator
 from importlib import import_module
 
 import httpx
@@ -31,7 +30,7 @@ from optiremat.solver.solution import InfeasibleBudgetError
 from optiremat.solver.solve import min_feasible_budget
 from optiremat.solver.step import StepMemory
 from optiremat.solver.validation import GraphError, OutOfRangeError
-from tests.service_harness import Server, chain, free_port, running_server
+from tests.service_harness import Server, chain, free_port
 from tools.typecheck import module_paths
 
 # Each public error and the builtin it subclassed before OptirematError existed.
@@ -79,17 +78,6 @@ def _peak_graph() -> CostGraph:
     data.update(step=StepMemory(argument_bytes=10, output_bytes=5).model_dump(mode="json"),
                 node_region=[-1] * 4, value_region=[-1] * 5)
     return CostGraph.model_validate(data)
-
-
-@pytest.fixture(scope="module")
-def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
-    yield from running_server(tmp_path_factory)
-
-
-@pytest.fixture
-def remote(server: Server) -> Iterator[RematClient]:
-    with RematClient(server.url) as client:
-        yield client
 
 
 def test_a_problem_carries_the_request_and_the_response(server: Server,

@@ -11,7 +11,6 @@ from __future__ import annotations
 import itertools
 import json
 import random
-from collections.abc import Iterator
 from fractions import Fraction
 
 import jax
@@ -45,7 +44,7 @@ from optiremat.solver.semantics import baseline_backward_flops
 from optiremat.solver.solve import max_useful_budget, solve_from
 from optiremat.solver.synthetic import transformer_like
 from tests.models import CORPUS
-from tests.service_harness import Server, body, running_server
+from tests.service_harness import Server, body
 
 CHEAP = OffloadOptions(host_bandwidth=10**18)  # a byte costs far less than a FLOP
 DEAR = OffloadOptions(host_bandwidth=1)  # a byte costs 4e14 FLOPs
@@ -377,11 +376,6 @@ def test_each_budget_of_an_offload_sweep_is_a_request_of_its_own() -> None:
 
 
 # ---- the service ---------------------------------------------------------------
-
-
-@pytest.fixture(scope="module")
-def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
-    yield from running_server(tmp_path_factory)
 
 
 def test_the_option_flows_through_the_service(server: Server) -> None:

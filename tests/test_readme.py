@@ -7,23 +7,17 @@ import re
 import runpy
 import subprocess
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
-from tests.service_harness import REPO, Server, running_server
+from tests.service_harness import REPO, Server
 
 # Among the suite's longest: handed out first (tests/conftest.py).
 pytestmark = pytest.mark.slow
 
 BLOCK = re.compile(r"^```python\n(.*?)^```", re.DOTALL | re.MULTILINE)
 SHELL = re.compile(r"^```sh\n(.*?)^```", re.DOTALL | re.MULTILINE)
-
-
-@pytest.fixture(scope="module")
-def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
-    yield from running_server(tmp_path_factory)
 
 
 def test_readme_python_blocks_run_in_order(server: Server, tmp_path: Path,

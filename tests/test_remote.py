@@ -12,7 +12,6 @@ import subprocess
 import sys
 import textwrap
 import time
-from collections.abc import Iterator
 
 import pytest
 
@@ -29,7 +28,7 @@ from tests.flaky_proxy import FlakyProxy
 from tests.models import CORPUS
 from tests.peak_models import CORPUS as PEAK_CORPUS
 from tests.peak_models import residual_stack
-from tests.service_harness import REPO, Server, running_server
+from tests.service_harness import REPO, Server
 
 # Among the suite's longest: handed out first (tests/conftest.py).
 pytestmark = pytest.mark.slow
@@ -37,17 +36,6 @@ pytestmark = pytest.mark.slow
 # Under the server's cap on synchronous solves, so both sides solve the same request.
 # These plans are residual plans of the classic corpus; test_peak_plans_travel covers peaks.
 OPTIONS = {"time_limit_s": 20.0, "memory": "residuals"}
-
-
-@pytest.fixture(scope="module")
-def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
-    yield from running_server(tmp_path_factory)
-
-
-@pytest.fixture
-def remote(server: Server) -> Iterator[RematClient]:
-    with RematClient(server.url) as c:
-        yield c
 
 
 def midpoint(fun, args) -> int:
