@@ -10,7 +10,8 @@ from collections.abc import Iterator
 
 import pytest
 import schemathesis
-from hypothesis import HealthCheck, settings
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 from schemathesis.checks import not_a_server_error
 from schemathesis.specs.openapi.checks import (
     content_type_conformance,
@@ -63,13 +64,18 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
 
 
 schema = schemathesis.openapi.from_path(OPENAPI)
+# One test per operation, each with its own id: schemathesis' own parametrize gives all of
+# them one node id, and pytest-xdist (make test) then runs only one of the nine.
+OPERATIONS = [result.ok() for result in schema.get_all_operations()]
 
 
-@schema.parametrize()
+@pytest.mark.parametrize("operation", OPERATIONS, ids=lambda operation: operation.label)
 @settings(max_examples=30, deadline=None,
           suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much,
                                  HealthCheck.function_scoped_fixture])
-def test_the_server_honours_openapi_json(case: schemathesis.Case, server: Server) -> None:
+@given(data=st.data())
+def test_the_server_honours_openapi_json(operation, server: Server, data: st.DataObject) -> None:
+    case = data.draw(operation.as_strategy())
     response = case.call(base_url=server.url, timeout=30)
     case.validate_response(response, checks=[
         not_a_server_error,
