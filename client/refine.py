@@ -42,7 +42,7 @@ from optiremat.client.step_graph import StepExtraction
 from optiremat.solver.baselines import builtin_offered_saves
 from optiremat.solver.graph import CostGraph, NodeMode
 from optiremat.solver.peak import BudgetView, priced_extra_bytes
-from optiremat.solver.semantics import recompute_flops
+from optiremat.solver.semantics import evaluate, recompute_flops
 from optiremat.solver.solution import InfeasibleBudgetError, Solution, SolveOptions, SolveStatus
 from optiremat.solver.solve import solve
 
@@ -54,7 +54,7 @@ MAX_TIGHTENINGS = 3
 # candidates measured in all: each is a compile. While no plan fits, every candidate is
 # measured (leanest first): the alternative is refusing a budget a candidate meets.
 MAX_NAMED = 12
-MAX_CANDIDATES_MEASURED = 4
+MAX_CANDIDATES_MEASURED = 6
 
 SolveAt = Callable[[int], Solution]
 
@@ -226,20 +226,36 @@ class _Refinement:
             shift = following
 
     def _candidates(self) -> list[list[bool]]:
-        """JAX's built-ins, and each value the user named with ``checkpoint_name`` saved
-        alone (a name's policy key), the leanest as priced first (those are the ones a
-        tight budget may take). A named value saved
-        can split a layer's backward pass in two and lower its working set, which the
-        calibrated one cannot show: on an LM, saving the attention's out projection alone
-        measures 18% under nothing_saveable's peak (tests/lm_models.py, bench/peak.py)."""
+        """JAX's built-ins; each value the user named with ``checkpoint_name`` saved alone
+        (a name's policy key); and the names saved together up to each one in program
+        order, as LM libraries' presets save a layer's first projections (q, k and v;
+        every dot but the MLP's).
+
+        A named value saved can split a layer's backward pass in two and lower its
+        working set, which the calibrated one cannot show: on an LM, saving the
+        attention's out projection alone measures 18% under nothing_saveable's peak
+        (tests/lm_models.py, bench/peak.py). So while no plan fits, the leanest as priced
+        come first (those are the ones a tight budget may take); once one fits, the
+        leanest and the fewest FLOPs alternate: the leanest find the plans a budget
+        at a preset's peak holds, the fewest FLOPs the presets that save more than the
+        calibration suggests they fit."""
         g = self.graph
-        named = sorted({k for k, p in zip(g.node_key, g.node_primitive, strict=True)
-                        if p == "name" and k})[:MAX_NAMED]
         candidates = list(builtin_offered_saves(g).values())
-        candidates += [[k == key for k in g.node_key] for key in named]
+        # A name whose value is kept anyway (a layer's input) changes nothing saved.
+        kept = evaluate(g, [False] * g.num_nodes).residuals
+        names = [key for key in _names_in_order(g)
+                 if evaluate(g, _saving(g, {key})).residuals != kept][:MAX_NAMED]
+        candidates += [_saving(g, {key}) for key in names]
+        candidates += [_saving(g, set(names[:end])) for end in range(2, len(names) + 1)]
         view = BudgetView.of(g, None)
-        return sorted(candidates, key=lambda saves: (view.predicted(saves),
-                                                     recompute_flops(g, saves)))
+        unique = {tuple(saves): saves for saves in candidates}.values()
+        priced = [(view.predicted(saves), recompute_flops(g, saves), saves) for saves in unique]
+        leanest = sorted(priced, key=lambda p: p[:2])
+        if self.best is None:
+            return [saves for *_, saves in leanest]
+        fewest_flops = sorted(priced, key=lambda p: (p[1], p[0]))
+        alternated = [p for pair in zip(leanest, fewest_flops, strict=True) for p in pair]
+        return list({id(saves): saves for *_, saves in alternated}.values())
 
     def _builtins(self) -> None:
         view = BudgetView.of(self.graph, None)
@@ -313,6 +329,18 @@ class _Refinement:
     def _fits(self, answer: Solution) -> bool:
         assert answer.peak_bytes is not None
         return answer.peak_bytes <= self.budget
+
+
+def _names_in_order(graph: CostGraph) -> list[str]:
+    """The policy keys of the values named with ``checkpoint_name``, in program order."""
+    keys = (k for k, p in zip(graph.node_key, graph.node_primitive, strict=True)
+            if p == "name" and k)
+    return list(dict.fromkeys(keys))
+
+
+def _saving(graph: CostGraph, keys: set[str]) -> list[bool]:
+    """Per node, whether a policy saving exactly the names ``keys`` saves it."""
+    return [k in keys for k in graph.node_key]
 
 
 def _better(a: Solution, b: Solution) -> bool:
