@@ -169,6 +169,13 @@ def _search_for(graph: CostGraph, options: SolveOptions, started: float,
                 cancel: threading.Event | None) -> Search | FoldedSearch:
     """``search.search_for``, imported at the first search: only a search needs
     OR-Tools, and a client planning through a server (``RematClient``) may lack it."""
-    from optiremat.solver.search import search_for
+    try:
+        from optiremat.solver.search import search_for
+    except ModuleNotFoundError as exc:
+        if exc.name is None or exc.name.partition(".")[0] != "ortools":
+            raise
+        raise ImportError(
+            "a local solve needs OR-Tools, which is not installed here: pip install ortools, "
+            "or plan through a server with optiremat.RematClient(url).optimize(...)") from exc
 
     return search_for(graph, options, started, progress, cancel)

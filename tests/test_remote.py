@@ -216,15 +216,15 @@ def test_peak_plans_travel_and_come_back_the_same(remote: RematClient) -> None:
 
 
 # A client process where OR-Tools cannot be imported: it plans a peak budget through the
-# server and prints what it planned.
+# server and prints what it planned, and what a local solve says.
 NO_ORTOOLS_SCRIPT = textwrap.dedent("""
     import json
     import sys
 
     class NoORTools:
         def find_spec(self, name, path=None, target=None):
-            if name.partition(".")[0] == "ortools":
-                raise ImportError(f"no OR-Tools on this client: import {name}")
+            if name.partition(".")[0] == "ortools":  # as Python says a module is absent
+                raise ModuleNotFoundError(f"No module named {name!r}", name=name)
             return None
 
     sys.meta_path.insert(0, NoORTools())
@@ -240,7 +240,12 @@ NO_ORTOOLS_SCRIPT = textwrap.dedent("""
     fun, args = mlp(**json.loads(sys.argv[3]))
     with optiremat.RematClient(sys.argv[1]) as remote:
         plan = remote.optimize(fun, *args, budget=int(sys.argv[2]), time_limit_s=20.0)
-    print(json.dumps({"fingerprint": plan.solution.fingerprint(),
+    try:  # a local solve says what it lacks
+        optiremat.solve(plan.graph, int(sys.argv[2]))
+        local = "solved locally"
+    except ImportError as err:
+        local = str(err)
+    print(json.dumps({"local": local, "fingerprint": plan.solution.fingerprint(),
                       "saved_keys": sorted(plan.saved_keys),
                       "recompute_flops": plan.recompute_flops, "peak_bytes": plan.peak_bytes,
                       "ortools": sorted(m for m in sys.modules if m.startswith("ortools"))}))
@@ -270,6 +275,7 @@ def test_a_client_without_ortools_plans_a_peak_budget_through_the_server(
     assert done.returncode == 0, done.stderr[-3000:]
     remote = json.loads(done.stdout.splitlines()[-1])
     assert remote["ortools"] == []
+    assert "a local solve needs OR-Tools" in remote["local"]  # and says how to do without
     assert remote["saved_keys"] == sorted(local.saved_keys)
     assert (remote["recompute_flops"], remote["peak_bytes"]) == (local.recompute_flops,
                                                                  local.peak_bytes)
