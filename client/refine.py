@@ -40,11 +40,15 @@ from optiremat.client.policy import KeyPolicy
 from optiremat.client.step import lowered_peak
 from optiremat.client.step_graph import StepExtraction
 from optiremat.solver.baselines import builtin_offered_saves
-from optiremat.solver.graph import CostGraph, NodeMode
+from optiremat.solver.graph import CostGraph
 from optiremat.solver.peak import BudgetView, priced_extra_bytes
-from optiremat.solver.semantics import evaluate, recompute_flops
-from optiremat.solver.solution import InfeasibleBudgetError, Solution, SolveOptions, SolveStatus
-from optiremat.solver.solve import solve
+from optiremat.solver.semantics import (
+    baseline_backward_flops,
+    effective_saves,
+    evaluate,
+    recompute_flops,
+)
+from optiremat.solver.solution import Decision, InfeasibleBudgetError, Solution, SolveStatus
 
 # Solves following the working set's shift: it settles in one or two on the corpus.
 MAX_ROUNDS = 4
@@ -173,7 +177,7 @@ class _Refinement:
         self.lowest_measured: int | None = None  # the smallest peak measured: what to name
         self.best: Solution | None = None
         self.tried: set[int] = set()
-        self.options: SolveOptions | None = None  # as the solver echoed the request
+        self.solved: Solution | None = None  # the last solve's plan: its solver and options
         self.unplanned: Solution | None = None  # an answer without a plan (time limit, cancel)
 
     def run(self) -> Solution:
@@ -202,7 +206,7 @@ class _Refinement:
         if not answer.node_decisions or answer.peak_bytes is None:
             self.unplanned = answer
             return None
-        self.options = answer.options
+        self.solved = answer
         measured = self._measured(answer)
         if self._fits(measured) and (self.best is None or _better(measured, self.best)):
             self.best = measured
@@ -300,17 +304,23 @@ class _Refinement:
         raise InfeasibleBudgetError(self.budget, self.lowest_measured)
 
     def _priced(self, offered: Sequence[bool], keys: frozenset[str], budget: int) -> Solution:
-        """The plan saving exactly ``offered`` (the policy keys ``keys``), as the solver
-        prices it with every free node's mode forced. Not searched: no optimality claimed."""
-        modes = [mode if mode != NodeMode.FREE else NodeMode.SAVE if s else NodeMode.RECOMPUTE
-                 for s, mode in zip(offered, self.graph.node_mode, strict=True)]
-        forced = CostGraph.model_construct(**{**dict(self.graph), "node_mode": modes})
-        answer = solve(forced, budget, nest=False)
-        return answer.model_copy(update={
-            "graph_hash": self.graph.content_hash, "saved_keys": sorted(keys),
-            "options": self.options or answer.options,
-            "status": SolveStatus.FEASIBLE,
-            "lower_bound_flops": 0, "gap": 1.0 if answer.recompute_flops else 0.0})
+        """The plan saving exactly ``offered`` (the policy keys ``keys``), priced by the cost
+        model itself (``semantics.evaluate``, the step's ``BudgetView``): what a solve with
+        every free node's mode forced answers, with no solve. Not searched: no optimality
+        claimed. The solver and options named are those of the last solve."""
+        assert self.solved is not None
+        g = self.graph
+        saves = effective_saves(g, offered)
+        full = evaluate(g, saves)
+        flops = full.backward_flops - baseline_backward_flops(g)
+        return Solution(
+            graph_hash=g.content_hash, budget_bytes=budget, options=self.solved.options,
+            status=SolveStatus.FEASIBLE, residual_bytes=full.residual_bytes,
+            recompute_flops=flops, lower_bound_flops=0, gap=1.0 if flops else 0.0,
+            saved_keys=sorted(keys),
+            node_decisions=[Decision.SAVE if s else Decision.RECOMPUTE for s in saves],
+            solver=self.solved.solver, solver_version=self.solved.solver_version,
+            peak_bytes=BudgetView.of(g, None).predicted(saves))
 
     def _measured(self, answer: Solution) -> Solution:
         """``answer`` with its own working set and the peak it makes."""

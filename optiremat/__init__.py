@@ -3,8 +3,9 @@
 ``optiremat.optimize(fun, *args, budget=...)`` traces ``fun``, solves the
 checkpointing MILP and returns a ``Plan``; ``RematClient`` does the same with a
 server's solver. The package has three parts: ``optiremat.solver`` (the cost
-graph and the MILP; pydantic and OR-Tools), ``optiremat.client`` (extraction
-from JAX, plans, the remote client) and ``optiremat.service`` (the REST API).
+graph and the MILP; pydantic, and OR-Tools from the first local solve on),
+``optiremat.client`` (extraction from JAX, plans, the remote client) and
+``optiremat.service`` (the REST API).
 
 The solver's names are imported here eagerly. The client's names are imported
 on first use: the service and the CLI import this package too, and they must

@@ -1,6 +1,8 @@
 """optiremat.solver: the cost-graph schema and the MILP that plans checkpointing.
 
-Pure pydantic + OR-Tools; never imports JAX.
+Pure pydantic + OR-Tools; never imports JAX. OR-Tools is imported at the first
+search (``solve``), not with the package: a client planning through a server
+(``RematClient``) needs none.
 """
 
 from optiremat.solver.errors import OptirematError

@@ -46,7 +46,7 @@ from __future__ import annotations
 import math
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from fractions import Fraction
 from typing import Any
@@ -77,14 +77,11 @@ from optiremat.solver.solution import (
     Backend,
     Decision,
     InfeasibleBudgetError,
+    ProgressCallback,
     Solution,
     SolveOptions,
     SolveStatus,
 )
-
-# progress(incumbent, bound, elapsed_s): the cost in recompute FLOPs (with offload,
-# FLOP-equivalents rounded down).
-ProgressCallback = Callable[[int, int, float], None]
 
 MAX_TIGHTENINGS = 3  # re-solves of an over-budget floating-point plan before CP-SAT takes over
 PHASE2_WORK = 2.0  # phase 2's effort cap, relative to phase 1's

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+from collections.abc import Callable
 from enum import StrEnum
 
 from pydantic import BaseModel, ConfigDict, Field, StrictInt
@@ -12,6 +13,10 @@ from optiremat.solver.baselines import BaselineResult
 from optiremat.solver.errors import OptirematError
 from optiremat.solver.offload import OffloadOptions, OffloadReport
 from optiremat.solver.step import Memory
+
+# progress(incumbent, bound, elapsed_s), called by a search as it finds plans: the cost in
+# recompute FLOPs (with offload, FLOP-equivalents rounded down).
+ProgressCallback = Callable[[int, int, float], None]
 
 
 class SolveStatus(StrEnum):

@@ -13,18 +13,20 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from optiremat.solver.graph import CostGraph
 from optiremat.solver.nesting import choose_groups, lever_options, min_budget_over_groups, nests
 from optiremat.solver.offload import OffloadOptions
 from optiremat.solver.peak import BudgetView, canonical_options, resolve_memory
-from optiremat.solver.repeats import FoldedSearch
-from optiremat.solver.search import ProgressCallback, Search, search_for
 from optiremat.solver.semantics import evaluate
-from optiremat.solver.solution import Backend, Solution, SolveOptions
+from optiremat.solver.solution import Backend, ProgressCallback, Solution, SolveOptions
 from optiremat.solver.step import Memory
 from optiremat.solver.validation import check_budget
+
+if TYPE_CHECKING:
+    from optiremat.solver.repeats import FoldedSearch
+    from optiremat.solver.search import Search
 
 __all__ = ["ProgressCallback", "BudgetSeries", "max_useful_budget", "min_feasible_budget",
            "resolve_options", "solve", "solve_from"]
@@ -61,10 +63,10 @@ def solve(
     view = BudgetView.of(graph, options.memory, groups)
 
     def search(g: CostGraph, budget: int) -> Solution:
-        return search_for(g, options, started, progress, cancel).solve(budget)
+        return _search_for(g, options, started, progress, cancel).solve(budget)
 
     def least() -> int:
-        return search_for(view.graph, options, started, None, cancel).min_budget()
+        return _search_for(view.graph, options, started, None, cancel).min_budget()
 
     return view.solve(graph, budget_bytes, search, least)
 
@@ -120,7 +122,7 @@ class BudgetSeries:
                                 search.min_budget)
 
     def _search(self) -> Search | FoldedSearch:
-        return search_for(self._view.graph, self._options, time.monotonic(), None, self._cancel)
+        return _search_for(self._view.graph, self._options, time.monotonic(), None, self._cancel)
 
     def _grouped(self, groups: tuple[int, ...]) -> BudgetSeries:
         assert self._nested is not None
@@ -140,7 +142,7 @@ def min_feasible_budget(graph: CostGraph, tie: bool = True, memory: Memory | Non
     def least(groups: Sequence[int] | None) -> int:
         view = BudgetView.of(graph, memory, groups)
         asked = options if groups is None else lever_options(options, groups)
-        return view.budget(search_for(view.graph, asked, time.monotonic(), None, None)
+        return view.budget(_search_for(view.graph, asked, time.monotonic(), None, None)
                            .min_budget())
 
     if nests(graph, resolve_memory(graph, memory), options):
@@ -160,3 +162,20 @@ def resolve_options(options: SolveOptions | None, overrides: dict[str, Any]) -> 
     if not overrides:
         return base
     return SolveOptions.model_validate({**base.model_dump(), **overrides})
+
+
+def _search_for(graph: CostGraph, options: SolveOptions, started: float,
+                progress: ProgressCallback | None,
+                cancel: threading.Event | None) -> Search | FoldedSearch:
+    """``search.search_for``, imported at the first search: only a search needs
+    OR-Tools, and a client planning through a server (``RematClient``) may lack it."""
+    try:
+        from optiremat.solver.search import search_for
+    except ModuleNotFoundError as exc:
+        if exc.name is None or exc.name.partition(".")[0] != "ortools":
+            raise
+        raise ImportError(
+            "a local solve needs OR-Tools, which is not installed here: pip install ortools, "
+            "or plan through a server with optiremat.RematClient(url).optimize(...)") from exc
+
+    return search_for(graph, options, started, progress, cancel)

@@ -1,9 +1,10 @@
 """RematClient against a real ``optiremat serve`` on loopback: the remote Plan is the
-local Plan, transient failures are retried, the server's errors surface intact, and
-the job progress bar shows on a terminal only."""
+local Plan, also from a client without OR-Tools, transient failures are retried, the
+server's errors surface intact, and the job progress bar shows on a terminal only."""
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import pty
@@ -13,13 +14,15 @@ import sys
 import textwrap
 import time
 
+import jax
 import pytest
 
 import optiremat
 from optiremat.client.errors import NotFound, ProblemError, RemoteInfeasibleBudget
 from optiremat.client.frontier import sweep
+from optiremat.client.placement import Placement
 from optiremat.client.remote import RematClient
-from optiremat.client.step import Step
+from optiremat.client.step import Step, measured_peak
 from optiremat.client.step_graph import step_extraction
 from optiremat.solver.offload import OffloadOptions
 from optiremat.solver.solution import InfeasibleBudgetError
@@ -27,7 +30,7 @@ from optiremat.solver.solve import max_useful_budget, min_feasible_budget
 from tests.flaky_proxy import FlakyProxy
 from tests.models import CORPUS
 from tests.peak_models import CORPUS as PEAK_CORPUS
-from tests.peak_models import residual_stack
+from tests.peak_models import mlp, residual_stack
 from tests.service_harness import REPO, Server
 
 # Among the suite's longest: handed out first (tests/conftest.py).
@@ -210,6 +213,73 @@ def test_peak_plans_travel_and_come_back_the_same(remote: RematClient) -> None:
     assert plan.memory == "peak" and plan.peak_bytes == local.peak_bytes
     assert plan.solution.fingerprint() == local.solution.fingerprint()
     assert plan.verify(fun, *args).exact
+
+
+# A client process where OR-Tools cannot be imported: it plans a peak budget through the
+# server and prints what it planned, and what a local solve says.
+NO_ORTOOLS_SCRIPT = textwrap.dedent("""
+    import json
+    import sys
+
+    class NoORTools:
+        def find_spec(self, name, path=None, target=None):
+            if name.partition(".")[0] == "ortools":  # as Python says a module is absent
+                raise ModuleNotFoundError(f"No module named {name!r}", name=name)
+            return None
+
+    sys.meta_path.insert(0, NoORTools())
+    try:
+        import ortools
+    except ImportError:
+        pass
+    else:
+        raise SystemExit("ortools imported despite the finder")
+    import optiremat
+    from tests.peak_models import mlp
+
+    fun, args = mlp(**json.loads(sys.argv[3]))
+    with optiremat.RematClient(sys.argv[1]) as remote:
+        plan = remote.optimize(fun, *args, budget=int(sys.argv[2]), time_limit_s=20.0)
+    try:  # a local solve says what it lacks
+        optiremat.solve(plan.graph, int(sys.argv[2]))
+        local = "solved locally"
+    except ImportError as err:
+        local = str(err)
+    print(json.dumps({"local": local, "fingerprint": plan.solution.fingerprint(),
+                      "saved_keys": sorted(plan.saved_keys),
+                      "recompute_flops": plan.recompute_flops, "peak_bytes": plan.peak_bytes,
+                      "ortools": sorted(m for m in sys.modules if m.startswith("ortools"))}))
+""")
+
+
+SMALL_MLP = {"layers": 4, "d": 128, "hidden": 512, "batch": 64}
+
+
+def test_a_client_without_ortools_plans_a_peak_budget_through_the_server(
+        server: Server) -> None:
+    """At dots_saveable's measured peak the answer is that built-in, priced by the
+    cost model after the solves (``client.refine``): the client runs no search."""
+    fun, args = mlp(**SMALL_MLP)
+    step = Step.of(0)
+    extracted = step_extraction(fun, args, step)
+    placement = Placement(extracted.regions, extracted.differentiated, step)
+    applied = placement.apply(fun, jax.checkpoint_policies.dots_saveable)
+    budget = measured_peak(step.function(applied).lower(*args).compile())
+    local = optiremat.optimize(fun, *args, budget=budget, time_limit_s=20.0)
+    assert local.solution.status == "feasible" and local.solution.gap == 1.0  # the built-in
+
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    done = subprocess.run([sys.executable, "-c", NO_ORTOOLS_SCRIPT, server.url, str(budget),
+                           json.dumps(SMALL_MLP)],
+                          cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    remote = json.loads(done.stdout.splitlines()[-1])
+    assert remote["ortools"] == []
+    assert "a local solve needs OR-Tools" in remote["local"]  # and says how to do without
+    assert remote["saved_keys"] == sorted(local.saved_keys)
+    assert (remote["recompute_flops"], remote["peak_bytes"]) == (local.recompute_flops,
+                                                                 local.peak_bytes)
+    assert remote["fingerprint"] == local.solution.fingerprint()
 
 
 WAIT_SCRIPT = textwrap.dedent("""
