@@ -17,8 +17,9 @@ graph and its regions alone, one layer per region compiled under the plan's
 policy (``LayerMeasure``: the layers' phases corrected, the others as
 calibrated). The prediction is corrected by the difference, and while the plan
 does not fit, or the budget has room the calibration took, the budget is solved
-again shifted by that difference. Then each of JAX's built-in policies, and each
-value the user named saved alone, that fits as measured and recomputes less
+again shifted by that difference. Then each of JAX's built-in policies, each
+value the user named saved alone, and the names saved together up to each one in
+program order (``_candidates``), that fits as measured and recomputes less
 than the answer is tried: solved at the shift that lets it fit, and taken itself
 where the solver's plans there hold more than it does, so that a plan is never
 worse than the built-ins as XLA measures them. Each round is one solve and at
@@ -54,8 +55,8 @@ from optiremat.solver.solution import Decision, InfeasibleBudgetError, Solution,
 MAX_ROUNDS = 4
 # Solves tightening past a built-in's shift when the solver's plan there holds more.
 MAX_TIGHTENINGS = 3
-# Checkpoint names tried alone, at most (an LM layer names about eight values), and the
-# candidates measured in all: each is a compile. While no plan fits, every candidate is
+# Checkpoint names tried, at most (an LM layer names about eight values), and the
+# candidates measured in all once a plan fits: each is a compile. While no plan fits, every candidate is
 # measured (leanest first): the alternative is refusing a budget a candidate meets.
 MAX_NAMED = 12
 MAX_CANDIDATES_MEASURED = 6
