@@ -59,7 +59,7 @@ MAX_TIGHTENINGS = 3
 # candidates measured in all once a plan fits: each is a compile. While no plan fits, every candidate is
 # measured (leanest first): the alternative is refusing a budget a candidate meets.
 MAX_NAMED = 12
-MAX_CANDIDATES_MEASURED = 6
+MAX_CANDIDATES_MEASURED = 8
 
 SolveAt = Callable[[int], Solution]
 
