@@ -30,31 +30,36 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import optiremat  # noqa: E402
 from optiremat.client.step import Step, measured_peak  # noqa: E402
+from optiremat.client.step_graph import step_extraction  # noqa: E402
 from optiremat.solver.solution import InfeasibleBudgetError  # noqa: E402
+from optiremat.solver.solve import min_feasible_budget  # noqa: E402
 from optiremat.solver.units import format_bytes  # noqa: E402
 from tests.mesh_models import LAYOUTS, sharded_llama  # noqa: E402
 
-FULL_SHARES = (1.0, 0.9, 0.8, 0.7, 0.6, 0.5, 0.4, 0.3)
-QUICK_SHARES = (1.0, 0.7, 0.45)
+FULL_POINTS = 6
+QUICK_POINTS = 3
 
 
-def layout_rows(layout: str, constrained: bool, shares: tuple[float, ...], layers: int,
-                seq: int) -> dict:
+def layout_rows(layout: str, constrained: bool, points: int, layers: int, seq: int) -> dict:
     model = sharded_llama(layout, constrained, layers=layers, seq=seq)
     fun, args = model.loss, model.args
     started = time.perf_counter()
     no_remat = measured_peak(Step.of(0).function(fun).lower(*args).compile())
     print(f"\n## {model.name}: mesh {dict(model.mesh.shape)}, no-remat peak per device "
           f"{format_bytes(no_remat)}")
+    low = min_feasible_budget(step_extraction(fun, args, Step.of(0)).graph)
+    print(f"smallest feasible per-device budget the graph prices: {format_bytes(low)}")
     print(f"{'budget':>11} {'status':>8} {'predicted':>11} {'measured':>11} {'error':>7} "
           f"{'fits':>5} {'recompute FLOPs':>16}")
     errors, refused, fits, plans, flops_at_peak = [], 0, 0, 0, None
-    for share in shares:
-        budget = int(no_remat * share)
+    # From the no-remat peak down to the smallest feasible budget, and one below it,
+    # which must be refused with the smallest feasible budget named.
+    budgets = [no_remat - (no_remat - low) * k // (points - 1) for k in range(points)]
+    for budget in [*budgets, int(low * 0.95)]:
         try:
             plan = optiremat.optimize(fun, *args, budget=budget)
         except InfeasibleBudgetError as err:
-            refused += 1
+            refused += budget >= low
             print(f"{format_bytes(budget):>11}  refused (smallest feasible "
                   f"{format_bytes(err.min_budget_bytes)})")
             continue
@@ -64,13 +69,14 @@ def layout_rows(layout: str, constrained: bool, shares: tuple[float, ...], layer
         errors.append(error)
         plans += 1
         fits += measured <= budget
-        if share == 1.0:
+        if budget == no_remat:
             flops_at_peak = plan.recompute_flops
         print(f"{format_bytes(budget):>11} {plan.status:>8} {format_bytes(plan.peak_bytes):>11} "
               f"{format_bytes(measured):>11} {error:>+7.2%} "
               f"{'yes' if measured <= budget else 'NO':>5} {plan.recompute_flops:>16.4g}")
     span = f"{min(errors):+.2%} .. {max(errors):+.2%}" if errors else "-"
-    print(f"predicted - measured {span}; within budget {fits}/{plans}; refused {refused}; "
+    print(f"predicted - measured {span}; within budget {fits}/{plans}; refused between the "
+          f"smallest and the no-remat peak {refused}; "
           f"at the no-remat peak it recomputes {flops_at_peak} FLOPs "
           f"({time.perf_counter() - started:.0f} s)")
     return {"name": model.name, "no_remat": no_remat, "span": span, "fits": f"{fits}/{plans}",
@@ -82,11 +88,11 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="4 layers, T 64, three budgets")
     opts = parser.parse_args()
     layers, seq = (4, 64) if opts.quick else (8, 128)
-    shares = QUICK_SHARES if opts.quick else FULL_SHARES
-    rows = [layout_rows(layout, constrained, shares, layers, seq)
+    points = QUICK_POINTS if opts.quick else FULL_POINTS
+    rows = [layout_rows(layout, constrained, points, layers, seq)
             for layout in LAYOUTS for constrained in (False, True)]
-    print(f"\n| layout | no-remat peak per device | predicted - measured | fits | refused "
-          f"| FLOPs recomputed at the no-remat peak |\n|---|---|---|---|---|---|")
+    print("\n| layout | no-remat peak per device | predicted - measured | fits | refused "
+          "| FLOPs recomputed at the no-remat peak |\n|---|---|---|---|---|---|")
     for r in rows:
         print(f"| {r['name']} | {format_bytes(r['no_remat'])} | {r['span']} | {r['fits']} | "
               f"{r['refused']} | {r['flops_at_peak']} |")

@@ -37,6 +37,7 @@ import optiremat.client._jax_internals as jx
 from optiremat.client.extract.state import HALF_FLOATS, widens_stacked_halves
 from optiremat.client.placement import Region
 from optiremat.client.policy import KeyPolicy
+from optiremat.client.sharding import Spec
 from optiremat.solver.graph import CostGraph
 from optiremat.solver.peak import priced_extra_bytes, step_phases, value_weights
 from optiremat.solver.semantics import evaluate
@@ -184,8 +185,11 @@ def _calibration_program(region: Region, saved_keys: frozenset[str] | None):
             return jax.ShapeDtypeStruct(shape, dtype)
         return jax.ShapeDtypeStruct(shape, dtype, sharding=region.layout.sharding(spec))
 
+    def stacked_spec(spec: Spec | None) -> Spec | None:  # the layers' axis is whole
+        return None if spec is None else ((), *spec)
+
     structs = [struct(a.shape, a.dtype, specs[i]) for i, a in enumerate(avals[:nc + nk])] + [
-        struct((length, *a.shape), a.dtype, ((), *specs[i]) if specs[i] else None)
+        struct((length, *a.shape), a.dtype, stacked_spec(specs[i]))
         for i, a in enumerate(avals[nc + nk:], start=nc + nk)]
     diff = [i for i, d in enumerate(region.differentiated) if d]
     rest = [i for i, d in enumerate(region.differentiated) if not d]

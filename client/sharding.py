@@ -26,7 +26,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import jax
-import numpy as np
 
 import optiremat.client._jax_internals as jx
 from optiremat.client.primitives import Role, body, info
@@ -106,21 +105,25 @@ def mesh_layout(flat_args: Sequence, names: Sequence[str]) -> MeshLayout | None:
     for leaf, name in zip(flat_args, names, strict=True):
         sharding = getattr(leaf, "sharding", None)
         shardings.append(sharding)
-        if sharding is None or len(getattr(sharding, "device_set", ())) <= 1 and not isinstance(
-                sharding, jax.sharding.NamedSharding):
+        if sharding is None:
             continue
         if not isinstance(sharding, jax.sharding.NamedSharding):
+            if len(sharding.device_set) <= 1:
+                continue
             raise ShardingError(f"argument {name} is placed by a {type(sharding).__name__}; "
                                 "optiremat reads NamedSharding(mesh, PartitionSpec(...)) "
                                 "placements: place it with one")
         mesh = sharding.mesh
         here = tuple((str(a), int(s)) for a, s in mesh.shape.items())
         size = math.prod(s for _, s in here)
-        if size > len(jax.devices()):
+        abstract = isinstance(mesh, jax.sharding.AbstractMesh)
+        if size > len(jax.devices()) or abstract:
             raise ShardingError(
-                f"argument {name} is sharded over a mesh of {size} devices {dict(here)}, but "
-                f"this host has {len(jax.devices())} {jax.default_backend()} device(s): the "
-                "step cannot be compiled to measure it (on CPU, set XLA_FLAGS="
+                f"argument {name} is sharded over a{'n abstract' if abstract else ''} "
+                f"mesh of {size} devices {dict(here)}, and this host has "
+                f"{len(jax.devices())} {jax.default_backend()} device(s): the step must be "
+                "compiled on the mesh's devices to measure it (place the arguments on a "
+                "jax.sharding.Mesh of this host's devices; on CPU, set XLA_FLAGS="
                 f"--xla_force_host_platform_device_count={size} before importing jax)")
         if axes is None:
             axes, first, mesh = here, name, sharding.mesh
@@ -148,8 +151,8 @@ def argument_names(in_tree: Any, count: int) -> list[str]:
     names = [""] * count
     for path, i in paths:
         # The traced tree is ((args...), {kwargs}): drop the outer pair's index.
-        names[i] = (f"args{jax.tree_util.keystr(path[1:])}" if path and path[0] == jax.tree_util.SequenceKey(0)
-                    else f"kwargs{jax.tree_util.keystr(path[1:])}")
+        where = "args" if path and path[0] == jax.tree_util.SequenceKey(0) else "kwargs"
+        names[i] = f"{where}{jax.tree_util.keystr(path[1:])}"
     return names
 
 
@@ -274,6 +277,7 @@ def propagate(jaxpr: jx.Jaxpr, specs: Sequence[Spec | None], sizes: dict[str, in
     for eqn in jaxpr.eqns:
         ins = [read(x) for x in eqn.invars]
         role = info(eqn.primitive).role
+        outs: list[Spec | None] | None
         if role in (Role.CALL, Role.CHECKPOINT):
             outs, _ = propagate(body(eqn), ins, sizes, env)
         elif role == Role.SCAN:
@@ -294,7 +298,7 @@ def propagate(jaxpr: jx.Jaxpr, specs: Sequence[Spec | None], sizes: dict[str, in
             propagate(eqn.params["body_jaxpr"].jaxpr, [*ins[nc:nc + nb], *carry], sizes, env)
             outs = carry
         else:
-            outs = _equation(eqn, ins, sizes)
+            outs = list(_equation(eqn, ins, sizes))
         assert outs is not None
         env.update((v, s) for v, s in zip(eqn.outvars, outs, strict=True))
     return [read(x) for x in jaxpr.outvars], env

@@ -62,11 +62,13 @@ def param_spec(layout: str, name: str, ndim: int) -> P:
 
 
 def sharded_llama(layout: str, constrained: bool, *, layers: int = 8, seq: int = 128,
-                  batch: int = 8, abstract: bool = False) -> Sharded:
+                  batch: int = 8, d: int = 256, ffn: int = 688,
+                  abstract: bool = False) -> Sharded:
     """The issue's stack (D 256, F 688, 8 heads, 2 KV heads, f32) on ``layout``'s mesh;
     ``abstract`` gives ``ShapeDtypeStruct`` arguments with shardings."""
     mesh = mesh_of(layout)
-    _, (params, x) = llama(layers=layers, seq=seq, batch=batch, abstract=abstract)
+    _, (params, x) = llama(layers=layers, seq=seq, batch=batch, d=d, ffn=ffn,
+                           abstract=abstract)
     layer = llama_layer(8, 2)
     activations = NamedSharding(mesh, P("data"))
 
