@@ -225,6 +225,23 @@ def _dot(eqn: Any, lhs: Spec, rhs: Spec) -> Spec:
     return _dedupe([*batch, *free_l, *free_r])
 
 
+def _match_batch(eqn: Any, ins: list[Spec | None], env: dict, fixed: set) -> None:
+    """A ``dot_general`` operand made here whose batch dimension is whole while the other
+    operand's is split takes that split: XLA slices it locally rather than gather the
+    other (measured: the keys and values ``jnp.repeat`` widens to every head, on a mesh
+    whose model axis splits the heads but not the 2 KV heads they come from)."""
+    (_, _), (lb, rb) = eqn.params["dimension_numbers"]
+    for mine, other, var, dims in ((0, 1, eqn.invars[0], zip(lb, rb, strict=True)),
+                                   (1, 0, eqn.invars[1], zip(rb, lb, strict=True))):
+        if isinstance(var, jx.Literal) or var in fixed or not ins[other]:
+            continue
+        spec = list(ins[mine] or ((),) * len(_shape(var)))
+        for d, o in dims:
+            if not spec[d]:
+                spec[d] = ins[other][o]
+        env[var] = _dedupe(spec)
+
+
 def _equation(eqn: Any, ins: list[Spec | None], sizes: dict[str, int]) -> list[Spec]:
     name = eqn.primitive.name
     outs = [_shape(v) for v in eqn.outvars]
@@ -299,6 +316,8 @@ def propagate(jaxpr: jx.Jaxpr, specs: Sequence[Spec | None], sizes: dict[str, in
             outs = carry
         else:
             outs = list(_equation(eqn, ins, sizes))
+            if eqn.primitive.name == "dot_general":
+                _match_batch(eqn, ins, env, set(jaxpr.invars))
         assert outs is not None
         env.update((v, s) for v, s in zip(eqn.outvars, outs, strict=True))
     return [read(x) for x in jaxpr.outvars], env
