@@ -233,12 +233,13 @@ def _match_batch(eqn: Any, ins: list[Spec | None], env: dict, fixed: set) -> Non
     (_, _), (lb, rb) = eqn.params["dimension_numbers"]
     for mine, other, var, dims in ((0, 1, eqn.invars[0], zip(lb, rb, strict=True)),
                                    (1, 0, eqn.invars[1], zip(rb, lb, strict=True))):
-        if isinstance(var, jx.Literal) or var in fixed or not ins[other]:
+        split = ins[other]
+        if isinstance(var, jx.Literal) or var in fixed or not split:
             continue
         spec = list(ins[mine] or ((),) * len(_shape(var)))
         for d, o in dims:
             if not spec[d]:
-                spec[d] = ins[other][o]
+                spec[d] = split[o]
         env[var] = _dedupe(spec)
 
 
