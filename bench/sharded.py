@@ -2,6 +2,7 @@
 
     .venv/bin/python bench/sharded.py            # 8 layers, T 128 (~10 min on 2 cores)
     .venv/bin/python bench/sharded.py --quick    # 4 layers, T 64, three budgets
+    .venv/bin/python bench/sharded.py --points 3 dp fsdp tp_constrained   # some layouts
 
 On 8 simulated CPU devices, the Llama-style ``lax.scan`` stack of
 ``tests/mesh_models.py`` (D 256, F 688, 8 heads, B 8, f32) under data
@@ -86,11 +87,18 @@ def layout_rows(layout: str, constrained: bool, points: int, layers: int, seq: i
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="4 layers, T 64, three budgets")
+    parser.add_argument("--points", type=int, help="budgets per layout, the ends included")
+    parser.add_argument("layouts", nargs="*", help="dp, fsdp, tp, each optionally with "
+                        "_constrained (default: all six)")
     opts = parser.parse_args()
     layers, seq = (4, 64) if opts.quick else (8, 128)
-    points = QUICK_POINTS if opts.quick else FULL_POINTS
-    rows = [layout_rows(layout, constrained, points, layers, seq)
-            for layout in LAYOUTS for constrained in (False, True)]
+    points = opts.points or (QUICK_POINTS if opts.quick else FULL_POINTS)
+    names = opts.layouts or [f"{layout}{suffix}" for layout in LAYOUTS
+                             for suffix in ("", "_constrained")]
+    if any(name.split("_")[0] not in LAYOUTS for name in names):
+        parser.error(f"layouts are {', '.join(LAYOUTS)}, each optionally with _constrained")
+    rows = [layout_rows(name.split("_")[0], name.endswith("_constrained"), points, layers, seq)
+            for name in names]
     print("\n| layout | no-remat peak per device | predicted - measured | fits | refused "
           "| FLOPs recomputed at the no-remat peak |\n|---|---|---|---|---|---|")
     for r in rows:

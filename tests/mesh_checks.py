@@ -68,7 +68,7 @@ def check(layout: str, constrained: bool) -> dict:
                       # Run at the smallest budget, where the plan recomputes the most.
                       "same_gradients": same_gradients(fun, plan, args) if budget == low
                       else None})
-    return {"no_remat": no_remat, "low": low, "plans": plans,
+    return {"no_remat": no_remat, "low": low, "plans": plans, "graph": graph.canonical_json(),
             "mesh": [graph.mesh.axis_names, graph.mesh.axis_sizes] if graph.mesh else None,
             "schema_version": graph.schema_version}
 

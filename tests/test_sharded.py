@@ -61,6 +61,17 @@ def test_plans_on_a_mesh_predict_and_honour_per_device_budgets(checks: dict,
     assert result["plans"][-1]["flops"] > 0
 
 
+def test_the_service_solves_a_graph_on_a_mesh_as_the_client_does(
+        checks: dict, remote: optiremat.RematClient) -> None:
+    graph = optiremat.CostGraph.model_validate_json(checks["tp_constrained"]["graph"])
+    assert graph.schema_version == 3 and graph.devices == 8
+    budget = checks["tp_constrained"]["low"]
+    local = optiremat.solve(graph, budget, time_limit_s=20.0)
+    answered = remote.solve(graph, budget, time_limit_s=20.0)
+    assert answered.fingerprint() == local.fingerprint()
+    assert answered.peak_bytes == local.peak_bytes <= budget
+
+
 def _loss(ws: jax.Array, x: jax.Array) -> jax.Array:
     h, _ = lax.scan(lambda h, w: (jnp.tanh(h @ w), None), x, ws)
     return jnp.sum(h)
