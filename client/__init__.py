@@ -15,6 +15,7 @@ from optiremat.client.planfile import PlanFile, PlanFileError, load_plan
 from optiremat.client.plot import plot_frontier
 from optiremat.client.policy import KeyPolicy
 from optiremat.client.remote import RematClient
+from optiremat.client.sharding import ShardingError
 from optiremat.client.step import StepError, measured_peak
 from optiremat.client.step_graph import extract_step
 
@@ -34,6 +35,7 @@ __all__ = [
     "ProblemError",
     "RematClient",
     "RemoteError",
+    "ShardingError",
     "StepError",
     "Verification",
     "extract_graph",

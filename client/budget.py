@@ -46,6 +46,8 @@ Held memory is counted in two places, with two donation rules, on purpose:
 
 Sizes here come from each leaf's NumPy dtype (a Python float is 8 bytes), while
 ``Step.held_memory`` uses JAX's dtype (4 bytes without x64), as the step holds it.
+On a mesh each leaf weighs its shard (``sharding.shard_shape``): the budget is one
+device's, and a peak budget's held bytes are XLA's own (``client.step_graph``).
 """
 
 from __future__ import annotations
@@ -154,7 +156,12 @@ def _memory_budget(traced: Traced, graph: CostGraph | None, *,
                    ) -> MemoryBudget:
     if not 0 <= headroom < 1:
         raise ValueError(f"headroom is a fraction of device memory in [0, 1), got {headroom}")
-    device = device_memory_bytes() if device_memory is None else parse_bytes(device_memory)
+    if device_memory is not None:
+        device = parse_bytes(device_memory)
+    elif traced.layout is not None:  # on a mesh, the smallest memory among its devices
+        device = min(device_memory_bytes(d) for d in traced.layout.mesh.devices.flat)
+    else:
+        device = device_memory_bytes()
     args, _ = jax.tree_util.tree_unflatten(traced.in_tree, traced.flat_args)
     params = _positions("argnums", (argnums,) if isinstance(argnums, int) else argnums, len(args))
     donated = _positions("donate_argnums", donate_argnums, len(args))
@@ -237,8 +244,13 @@ def _dtype(x: Any) -> np.dtype:
 
 
 def _leaf_bytes(x: Any) -> int:
-    """Bytes of an array, a ShapeDtypeStruct or a Python scalar, without touching data."""
-    return math.prod(np.shape(x) if not hasattr(x, "shape") else x.shape) * _dtype(x).itemsize
+    """Bytes of an array, a ShapeDtypeStruct or a Python scalar, without touching data;
+    of one device's shard, for one placed on a mesh."""
+    shape = np.shape(x) if not hasattr(x, "shape") else x.shape
+    sharding = getattr(x, "sharding", None)
+    if sharding is not None:
+        shape = sharding.shard_shape(tuple(shape))
+    return math.prod(shape) * _dtype(x).itemsize
 
 
 def _tree_bytes(tree: Any, floats_only: bool = False) -> int:

@@ -34,10 +34,10 @@ import jax.numpy as jnp
 from jax import lax
 
 import optiremat.client._jax_internals as jx
-from optiremat.client.cost_model import aval_bytes
 from optiremat.client.extract.state import HALF_FLOATS, widens_stacked_halves
 from optiremat.client.placement import Region
 from optiremat.client.policy import KeyPolicy
+from optiremat.client.sharding import Spec
 from optiremat.solver.graph import CostGraph
 from optiremat.solver.peak import priced_extra_bytes, step_phases, value_weights
 from optiremat.solver.semantics import evaluate
@@ -72,7 +72,7 @@ def assumed_working_bytes(region: Region) -> int:
 
 def _working_set(region: Region, saved_keys: frozenset[str] | None) -> tuple[int, int]:
     key = (str(region.body), region.num_consts, region.num_carry, region.differentiated,
-           jax.default_backend(), saved_keys)
+           jax.default_backend(), saved_keys, region.layout, region.operand_specs)
     if key not in _measured:
         _measured[key] = _measure(region, saved_keys)
     return _measured[key]
@@ -99,12 +99,15 @@ def _measure(region: Region, saved_keys: frozenset[str] | None) -> tuple[int, in
     # too, which is an argument here (priced at nothing) and in the step a value its
     # graph prices where it is made. Measured: without this the prediction ran one
     # carry high on every model of the scan corpus (two on CPU for bf16: its f32 copy).
-    first_input = sum(aval_bytes(a) * (2 if _widened(a) else 1) for a in region.carry_avals)
+    carries = range(region.num_consts, region.num_consts + region.num_carry)
+    first_input = sum(region.operand_bytes(i) * (2 if _widened(a) else 1)
+                      for i, a in zip(carries, region.carry_avals, strict=True))
     # Plus the cotangent of the last layer's output, which the step's backward hands the
     # region and holds through it; this program's is a broadcast of ones XLA never makes.
     # Measured: without it the layers' phase ran one carry low on the scan corpus once
     # the residuals outside the region (the last layer's output among them) left it.
-    cotangent = sum(aval_bytes(a) for a in region.carry_avals
+    cotangent = sum(region.operand_bytes(i)
+                    for i, a in zip(carries, region.carry_avals, strict=True)
                     if jnp.issubdtype(a.dtype, jnp.inexact))
     held = (temp - sum(graph.value_bytes[v] for v in stacked) - first_input + cotangent
             + SCALARS_BYTES)
@@ -173,8 +176,21 @@ def _calibration_program(region: Region, saved_keys: frozenset[str] | None):
     body, nc, nk = region.body, region.num_consts, region.num_carry
     length = region.length
     avals = list(body.in_avals)
-    structs = [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in avals[:nc + nk]] + [
-        jax.ShapeDtypeStruct((length, *a.shape), a.dtype) for a in avals[nc + nk:]]
+    specs = list(region.operand_specs or [None] * len(avals))
+
+    def struct(shape: tuple[int, ...], dtype: Any, spec: Any) -> jax.ShapeDtypeStruct:
+        # On a mesh, each operand split as the step splits it: the compile is partitioned
+        # as the step's is, and its figures are one device's.
+        if region.layout is None:
+            return jax.ShapeDtypeStruct(shape, dtype)
+        return jax.ShapeDtypeStruct(shape, dtype, sharding=region.layout.sharding(spec))
+
+    def stacked_spec(spec: Spec | None) -> Spec | None:  # the layers' axis is whole
+        return None if spec is None else ((), *spec)
+
+    structs = [struct(a.shape, a.dtype, specs[i]) for i, a in enumerate(avals[:nc + nk])] + [
+        struct((length, *a.shape), a.dtype, stacked_spec(specs[i]))
+        for i, a in enumerate(avals[nc + nk:], start=nc + nk)]
     diff = [i for i, d in enumerate(region.differentiated) if d]
     rest = [i for i, d in enumerate(region.differentiated) if not d]
 

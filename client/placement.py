@@ -38,6 +38,7 @@ import optiremat.client._jax_internals as jx
 from optiremat.client.cost_model import aval_bytes
 from optiremat.client.extract.tracing import trace
 from optiremat.client.primitives import Role, info
+from optiremat.client.sharding import MeshLayout, Spec
 from optiremat.solver.errors import OptirematError
 
 if TYPE_CHECKING:
@@ -72,6 +73,16 @@ class Region:
     body: jx.ClosedJaxpr  # the scan's body: (consts, carry, x) -> (carry, y)
     differentiated: tuple[bool, ...]  # per operand of the scan: whether it has a tangent
     reverse: bool = False
+    # On a mesh: its layout and, per operand of the body (one layer's), its spec.
+    layout: MeshLayout | None = None
+    operand_specs: tuple[Spec | None, ...] | None = None
+
+    def operand_bytes(self, i: int) -> int:
+        """What one device holds of the body's ``i``-th operand (one layer's)."""
+        aval = self.body.in_avals[i]
+        if self.layout is None or self.operand_specs is None:
+            return aval_bytes(aval)
+        return self.layout.shard_bytes(aval, self.operand_specs[i])
 
     @property
     def carry_avals(self) -> list:
@@ -80,20 +91,22 @@ class Region:
 
     @property
     def carry_bytes(self) -> int:
-        """One layer's input: the bytes of the scan's carry."""
-        return sum(aval_bytes(a) for a in self.carry_avals)
+        """One layer's input: the bytes of the scan's carry (one device's)."""
+        return sum(self.operand_bytes(i)
+                   for i in range(self.num_consts, self.num_consts + self.num_carry))
 
     @property
     def xs_bytes(self) -> int:
         """One layer's slice of the scan's stacked operands (its parameters)."""
-        return sum(aval_bytes(a) for a in self.body.in_avals[self.num_consts + self.num_carry:])
+        return sum(self.operand_bytes(i)
+                   for i in range(self.num_consts + self.num_carry, len(self.body.in_avals)))
 
     @property
     def xs_gradient_bytes(self) -> int:
         """One layer's slice of the gradients of the stacked operands."""
         first = self.num_consts + self.num_carry
-        return sum(aval_bytes(a) for a, d in zip(self.body.in_avals[first:],
-                                                  self.differentiated[first:], strict=True) if d)
+        return sum(self.operand_bytes(i) for i in range(first, len(self.body.in_avals))
+                   if self.differentiated[i])
 
     @property
     def signature(self) -> tuple:

@@ -143,9 +143,8 @@ class Verification:
                     "checkpointed blocks.")
         return (f"XLA's schedule holds {format_bytes(measured)}, {error:.0%} less than the "
                 f"predicted {format_bytes(predicted)}: the plan recomputes more than its budget "
-                "needs. Plans price each array whole, so on a device mesh, where a device "
-                "holds a shard, they are cautious by about the mesh's size; a plan made for "
-                "other arguments than these is cautious too.")
+                "needs. A plan made for other arguments than these (other shapes, or other "
+                "shardings: on a mesh a plan prices what one device holds) is cautious too.")
 
 
 def _names_form(traced: Traced, budget_bytes: int, options: dict,

@@ -37,32 +37,55 @@ def memory_analysis(compiled: jax.stages.Compiled) -> Any:
     return analysis
 
 
+@dataclass(frozen=True)
+class StepMemoryAnalysis:
+    """XLA's figures for a compiled step, in bytes (one device's, on a mesh)."""
+
+    argument_bytes: int
+    output_bytes: int
+    temp_bytes: int
+    alias_bytes: int
+
+    @classmethod
+    def of(cls, compiled: jax.stages.Compiled) -> StepMemoryAnalysis:
+        m = memory_analysis(compiled)
+        return cls(m.argument_size_in_bytes, m.output_size_in_bytes, m.temp_size_in_bytes,
+                   m.alias_size_in_bytes)
+
+    @property
+    def peak_bytes(self) -> int:
+        return self.argument_bytes + self.output_bytes + self.temp_bytes - self.alias_bytes
+
+
 def measured_peak(compiled: jax.stages.Compiled) -> int:
     """Peak bytes of a compiled step: argument + output + temp - alias."""
-    m = memory_analysis(compiled)
-    return (m.argument_size_in_bytes + m.output_size_in_bytes + m.temp_size_in_bytes
-            - m.alias_size_in_bytes)
+    return StepMemoryAnalysis.of(compiled).peak_bytes
 
 
-# Peaks of programs compiled in this process, by program text: planning compiles the step
+# Memory of programs compiled in this process, by program text: planning compiles the step
 # under the plan it answers, and ``verify(peak=True)``, a second ``optimize`` of the same
 # function or a frontier's neighbouring budgets compile the same program again.
-_PEAKS: OrderedDict[tuple[str, str], int] = OrderedDict()
+_PEAKS: OrderedDict[tuple[str, str], StepMemoryAnalysis] = OrderedDict()
 MAX_REMEMBERED_PEAKS = 1024
 
 
-def lowered_peak(lowered: jax.stages.Lowered) -> int:
-    """``measured_peak`` of ``lowered`` compiled; a program this process compiled already
-    (the same StableHLO text on the same backend) is not compiled again."""
+def lowered_memory(lowered: jax.stages.Lowered) -> StepMemoryAnalysis:
+    """XLA's memory analysis of ``lowered`` compiled; a program this process compiled
+    already (the same StableHLO text on the same backend) is not compiled again."""
     key = (jax.default_backend(), hashlib.sha256(lowered.as_text().encode()).hexdigest())
     if key in _PEAKS:
         _PEAKS.move_to_end(key)
         return _PEAKS[key]
-    peak = measured_peak(lowered.compile())
-    _PEAKS[key] = peak
+    analysis = StepMemoryAnalysis.of(lowered.compile())
+    _PEAKS[key] = analysis
     if len(_PEAKS) > MAX_REMEMBERED_PEAKS:
         _PEAKS.popitem(last=False)
-    return peak
+    return analysis
+
+
+def lowered_peak(lowered: jax.stages.Lowered) -> int:
+    """``measured_peak`` of ``lowered`` compiled, remembered as ``lowered_memory``."""
+    return lowered_memory(lowered).peak_bytes
 
 
 def _as_tuple(argnums: int | Sequence[int]) -> tuple[int, ...]:

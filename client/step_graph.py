@@ -18,7 +18,8 @@ from optiremat.client.calibration import assumed_working_bytes, calibrate_phases
 from optiremat.client.extract.graphs import Extraction, graph_of_traced
 from optiremat.client.extract.tracing import trace
 from optiremat.client.placement import Region, RegionMarker, find_regions, place
-from optiremat.client.step import Step, lowered_peak
+from optiremat.client.sharding import propagate
+from optiremat.client.step import Step, StepMemoryAnalysis, lowered_memory
 from optiremat.solver.graph import CostGraph
 from optiremat.solver.step import RegionMemory, StepMemory
 
@@ -48,12 +49,34 @@ def step_extraction(fun: Callable, args: Sequence, step: Step, *, name: str = ""
     flags = step.differentiated(args)
     closed = jx.ClosedJaxpr(traced.open_jaxpr, traced.consts)
     regions = tuple(find_regions(closed, flags))
+    if traced.layout is not None:  # each layer's operands split as the step splits them
+        _, specs = propagate(traced.closed.jaxpr, [*[None] * traced.num_consts,
+                                                   *traced.layout.argument_specs],
+                             traced.layout.sizes)
+        regions = tuple(replace(r, layout=traced.layout,
+                                operand_specs=tuple(specs.get(v) for v in r.body.jaxpr.invars))
+                        for r in regions)
     markers = [RegionMarker(r.index) for r in regions]
 
     def marked(*leaves):
         return place(closed, leaves, regions, markers, flags, name_inputs=name_inputs)
 
-    arguments, outputs, aliases = step.held_memory(args)
+    def step_memory(policy) -> StepMemoryAnalysis:
+        """XLA's memory analysis of the step with every region under ``policy``."""
+        def placed(*args):
+            out = place(closed, jax.tree_util.tree_leaves(args), regions,
+                        [policy] * len(regions), flags)
+            return jax.tree_util.tree_unflatten(traced.out_tree, out)
+        return lowered_memory(step.function(placed).lower(*args))
+
+    if traced.layout is None:
+        arguments, outputs, aliases = step.held_memory(args)
+    else:
+        # On a mesh the step holds each argument's shard and each gradient as its out
+        # sharding says (an FSDP gradient reduce-scattered, a replicated one whole): read
+        # from the compile that calibrates the phases below, which is remembered.
+        held = step_memory(jax.checkpoint_policies.nothing_saveable)
+        arguments, outputs, aliases = held.argument_bytes, held.output_bytes, held.alias_bytes
     memory = StepMemory(argument_bytes=arguments, output_bytes=outputs, alias_bytes=aliases,
                         regions=[RegionMemory(source=r.source, length=r.length,
                                               working_bytes=assumed_working_bytes(r),
@@ -63,15 +86,8 @@ def step_extraction(fun: Callable, args: Sequence, step: Step, *, name: str = ""
     extraction = graph_of_traced(trace(marked, traced.flat_args, {}), name=name, step=True,
                                  differentiated=flags, step_memory=memory)
 
-    def step_peak(policy) -> int:
-        """XLA's peak of the step with every region under ``policy``."""
-        def placed(*args):
-            out = place(closed, jax.tree_util.tree_leaves(args), regions,
-                        [policy] * len(regions), flags)
-            return jax.tree_util.tree_unflatten(traced.out_tree, out)
-        return lowered_peak(step.function(placed).lower(*args))
-
-    calibrated = calibrate_phases(extraction.graph, regions, step_peak)
+    calibrated = calibrate_phases(extraction.graph, regions,
+                                  lambda policy: step_memory(policy).peak_bytes)
     graph = CostGraph.model_construct(**{**dict(extraction.graph), "step": calibrated})
     return StepExtraction(replace(extraction, graph=graph), regions, tuple(flags))
 

@@ -24,6 +24,8 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
+from collections.abc import Sequence
 from enum import StrEnum
 from functools import cached_property
 from typing import Annotated, Any
@@ -37,7 +39,37 @@ from optiremat.solver.validation import check_graph, check_raw_columns
 
 SCHEMA_VERSION = 2
 # Version 1 graphs (no step, no regions) are read unchanged: they plan residual budgets.
-READABLE_VERSIONS = (1, 2)
+# Version 3 is a graph of a step on a device mesh (``mesh``): its bytes are one device's.
+# A graph on one device keeps version 2, so its JSON and content hash are unchanged.
+MESH_SCHEMA_VERSION = 3
+READABLE_VERSIONS = (1, 2, 3)
+
+
+class DeviceMesh(BaseModel):
+    """The mesh a step runs on: its axes' names and sizes. Every byte of a graph that
+    carries one is what one device holds (its shard); a graph without one is one device."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    axis_names: list[StrictStr]
+    axis_sizes: list[Annotated[StrictInt, Field(ge=1, lt=2**31)]]
+
+    @classmethod
+    def of(cls, axes: Sequence[tuple[str, int]]) -> DeviceMesh:
+        return cls(axis_names=[a for a, _ in axes], axis_sizes=[s for _, s in axes])
+
+    @model_validator(mode="after")
+    def _paired(self) -> DeviceMesh:
+        if len(self.axis_names) != len(self.axis_sizes) or not self.axis_names:
+            raise GraphError(f"mesh: {len(self.axis_names)} axis names and "
+                             f"{len(self.axis_sizes)} sizes; give one size per axis, at least one")
+        if len(set(self.axis_names)) != len(self.axis_names):
+            raise GraphError(f"mesh: axis names repeat: {self.axis_names}")
+        return self
+
+    @property
+    def devices(self) -> int:
+        return math.prod(self.axis_sizes)
 
 
 
@@ -100,6 +132,8 @@ class CostGraph(BaseModel):
     value_region: list[Annotated[StrictInt, Field(ge=-1, lt=2**31)]] | None = Field(
         default=None, exclude_if=lambda v: v is None
     )
+    # Version 3: the device mesh of the step; value and held bytes are then per device.
+    mesh: DeviceMesh | None = Field(default=None, exclude_if=lambda v: v is None)
 
     @model_validator(mode="before")
     @classmethod
@@ -123,8 +157,18 @@ class CostGraph(BaseModel):
 
     @model_validator(mode="after")
     def _consistent(self) -> CostGraph:
+        if (self.mesh is not None) != (self.schema_version == MESH_SCHEMA_VERSION):
+            raise GraphError(f"schema_version {self.schema_version} with "
+                             f"{'a' if self.mesh is not None else 'no'} mesh: a graph of a "
+                             f"step on a device mesh is version {MESH_SCHEMA_VERSION}, and "
+                             "only such a graph carries one")
         check_graph(self)
         return self
+
+    @property
+    def devices(self) -> int:
+        """How many devices the step runs on (1 for a graph without a mesh)."""
+        return 1 if self.mesh is None else self.mesh.devices
 
     # ---- derived views (positions, not ids) -------------------------------
 
@@ -181,6 +225,7 @@ class GraphBuilder:
     def __init__(self, name: str = "") -> None:
         self.name = name
         self.step: StepMemory | None = None
+        self.mesh: DeviceMesh | None = None
         self.extra_bytes: list[int] = []
         self.value_regions: list[int] = []
         self.values: list[tuple[int, list[int], str]] = []
@@ -240,6 +285,8 @@ class GraphBuilder:
             output_ids.extend(n["outputs"])
             output_ptr.append(len(output_ids))
         return CostGraph(
+            schema_version=SCHEMA_VERSION if self.mesh is None else MESH_SCHEMA_VERSION,
+            mesh=self.mesh,
             name=self.name,
             value_id=list(range(len(self.values))),
             value_bytes=[v[0] for v in self.values],

@@ -45,6 +45,7 @@ BUILTIN_OF: dict[type[Exception], type[Exception]] = {
     optiremat.PlanError: RuntimeError,
     optiremat.BudgetError: ValueError,
     optiremat.PlacementError: ValueError,
+    optiremat.ShardingError: ValueError,
     RemoteError: Exception,
     ConnectionFailed: Exception,
     ProblemError: Exception,

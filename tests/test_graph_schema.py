@@ -13,6 +13,7 @@ from collections.abc import Callable
 import pytest
 
 from optiremat.solver import SCHEMA_VERSION, CostGraph, GraphBuilder
+from optiremat.solver.graph import MESH_SCHEMA_VERSION
 from optiremat.solver.offload import OffloadOptions
 from optiremat.solver.solve import solve
 
@@ -176,3 +177,29 @@ def test_a_solve_past_what_64_bit_integers_hold_is_one_clear_line(
     with pytest.raises(ValueError, match=message) as error:
         solve(graph, budget, offload=offload)
     assert "\n" not in str(error.value)
+
+
+def test_a_graph_on_a_mesh_is_version_3_and_older_graphs_read_as_one_device() -> None:
+    plain = CostGraph(**base())
+    assert plain.schema_version == SCHEMA_VERSION == 2 and plain.mesh is None
+    assert plain.devices == 1 and "mesh" not in json.loads(plain.canonical_json())
+    sharded = CostGraph(**{**base(), "schema_version": MESH_SCHEMA_VERSION,
+                           "mesh": {"axis_names": ["data", "model"], "axis_sizes": [2, 4]}})
+    assert sharded.devices == 8
+    assert CostGraph.model_validate_json(sharded.canonical_json()) == sharded
+    assert sharded.content_hash != plain.content_hash
+    v1 = {k: v for k, v in base().items()} | {"schema_version": 1}
+    assert CostGraph(**v1).devices == 1
+
+
+@pytest.mark.parametrize(("version", "mesh", "message"), [
+    (2, {"axis_names": ["data"], "axis_sizes": [8]}, "version 3"),
+    (3, None, "only such a graph carries one"),
+    (3, {"axis_names": ["data"], "axis_sizes": [8, 2]}, "one size per axis"),
+    (3, {"axis_names": ["data", "data"], "axis_sizes": [2, 2]}, "repeat"),
+    (3, {"axis_names": ["data"], "axis_sizes": [0]}, "axis_sizes"),
+])
+def test_a_mesh_and_its_version_go_together(version: int, mesh: dict | None,
+                                             message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        CostGraph(**{**base(), "schema_version": version, "mesh": mesh})

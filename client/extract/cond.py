@@ -130,7 +130,8 @@ def cond_rule(walker: Walker, eqn, refs: Sequence[Ref], ctx: Context) -> list[Re
         vals, flops = needs(k)
         (v,) = walker.virtual("cond_output", vals, [var.aval], varying, ctx,
                             flops=max(flops - tangent_flops, 0), mode=primal_mode(ctx),
-                            key="" if tied or unoffered else "cond_output", source=source)
+                            key="" if tied or unoffered else "cond_output", source=source,
+                            out_vars=[var])
         results.append(Ref(v, True, varying))
     return results
 

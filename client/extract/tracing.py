@@ -9,6 +9,7 @@ import jax
 import jax.numpy as jnp
 
 import optiremat.client._jax_internals as jx
+from optiremat.client.sharding import MeshLayout, argument_names, mesh_layout
 from optiremat.client.step import StepError
 
 
@@ -23,6 +24,7 @@ class Traced:
     out_tree: object
     num_consts: int
     flat_args: list
+    layout: MeshLayout | None = None  # the mesh the arguments are placed on, if any
 
     def check_differentiable(self) -> None:
         """Refuse a function with no floating-point output: ``jax.grad`` rejects it (and
@@ -46,7 +48,8 @@ def trace(fun: Callable, args: Sequence, kwargs: dict) -> Traced:
         out_tree_box.append(tree)
         return leaves_out
 
+    layout = mesh_layout(flat_args, argument_names(in_tree, len(flat_args)))
     closed = jax.make_jaxpr(flat_fun)(*flat_args)
     return Traced(jx.close_with_consts_as_inputs(closed), closed.jaxpr, list(closed.consts),
                   in_tree,
-                  out_tree_box[-1], len(closed.consts), flat_args)
+                  out_tree_box[-1], len(closed.consts), flat_args, layout)

@@ -31,6 +31,7 @@ from optiremat.client.extract.state import (
 from optiremat.client.keys import policy_key
 from optiremat.client.placement import RegionMarker
 from optiremat.client.primitives import Role, body, info, unknown_body
+from optiremat.client.sharding import MeshLayout
 from optiremat.solver.graph import GraphBuilder, NodeMode
 
 
@@ -50,12 +51,18 @@ class Walker:
     # residuals for the backward pass: each costs about its size again (bench/peak.py);
     # whether it does is asked of XLA (``widens_stacked_halves``).
     widen_stacked_halves: bool = False
+    # On a mesh: its layout, and each variable's spec (``client.sharding.propagate``),
+    # so that a value weighs what one device holds of it.
+    layout: MeshLayout | None = None
+    specs: dict = field(default_factory=dict)
 
     # ---- values and nodes -------------------------------------------------
 
-    def new_value(self, aval, varying: frozenset[int], ctx: Context) -> int:
+    def new_value(self, aval, varying: frozenset[int], ctx: Context, var=None) -> int:
         copies = ctx.stacked(varying)
-        nbytes = aval_bytes(aval) * copies
+        one = (aval_bytes(aval) if self.layout is None or var is None
+               else self.layout.shard_bytes(aval, self.specs.get(var)))
+        nbytes = one * copies
         dtype = str(getattr(aval, "dtype", ""))
         widened = self.widen_stacked_halves and copies > 1 and dtype in HALF_FLOATS
         stacked_by = ctx.region if ctx.region_loop in varying else None
@@ -65,7 +72,7 @@ class Walker:
     def node(self, eqn, ins: Sequence[Ref], ctx: Context, mode: NodeMode, key: str,
              flops: int) -> list[Ref]:
         varying = frozenset().union(*(r.varying for r in ins))
-        values = [self.new_value(v.aval, varying, ctx) for v in eqn.outvars]
+        values = [self.new_value(v.aval, varying, ctx, v) for v in eqn.outvars]
         self.builder.node(
             eqn.primitive.name,
             [r.value for r in ins if r.value is not None],
@@ -78,14 +85,17 @@ class Walker:
 
     def virtual(self, name: str, inputs: Sequence[int | None], out_avals: Sequence,
                 varying: frozenset[int], ctx: Context, *, mode: NodeMode = NodeMode.RECOMPUTE,
-                flops: int = 0, source: str = "", key: str = "") -> list[int]:
+                flops: int = 0, source: str = "", key: str = "",
+                out_vars: Sequence | None = None) -> list[int]:
         """A node no policy decides: JAX's rule fixes what it does.
 
         A ``key`` marks work that exists only because of the policy (a cond
         branch recomputed under a names policy): ``everything_saveable``, the
         FLOPs baseline, would have saved it.
         """
-        outs = [self.new_value(a, varying, ctx) for a in out_avals]
+        out_vars = out_vars if out_vars is not None else [None] * len(out_avals)
+        outs = [self.new_value(a, varying, ctx, v)
+                for a, v in zip(out_avals, out_vars, strict=True)]
         self.builder.node(name, sorted({v for v in inputs if v is not None}), outs, key=key,
                           flops=flops * ctx.stacked(varying), mode=mode,
                           repeat=ctx.stacked(varying), source=source, region=ctx.region)
@@ -196,7 +206,8 @@ class Walker:
             # initial value; under jax.vjp the forward scan keeps it per iteration.
             varying = ref.varying | here
             (v,) = self.virtual("scan_carry", [ref.value], [var.aval], varying, inner,
-                                source=jx.source_of(eqn), mode=primal_mode(ctx))
+                                source=jx.source_of(eqn), mode=primal_mode(ctx),
+                                out_vars=[var])
             carry_in.append(Ref(v, True, varying))
         xs_in = [Ref(r.value, True, r.varying | here) if r.known else r for r in xs]
         outs = self.walk(body, [*consts, *carry_in, *xs_in], inner)
@@ -221,7 +232,8 @@ class Walker:
                 continue
             varying = ref.varying - here
             (v,) = self.virtual("scan_output", [ref.value], [var.aval], varying, ctx,
-                                source=jx.source_of(eqn), mode=primal_mode(ctx))
+                                source=jx.source_of(eqn), mode=primal_mode(ctx),
+                                out_vars=[var])
             results.append(Ref(v, True, varying))
         return results
     # ---- while: the policy is never consulted -----------------------------
@@ -236,7 +248,8 @@ class Walker:
         varying = frozenset().union(*(r.varying for r in refs))
         outs = self.virtual("while", [r.value for r in refs], [v.aval for v in eqn.outvars],
                             varying, ctx, flops=eqn_flops(eqn),
-                            source=jx.source_of(eqn), mode=primal_mode(ctx))
+                            source=jx.source_of(eqn), mode=primal_mode(ctx),
+                            out_vars=eqn.outvars)
         return [Ref(v, True, varying) for v in outs]
 
 

@@ -1,0 +1,89 @@
+"""Peak plans on 8 simulated devices, run as its own process: ``python -m tests.mesh_checks``.
+
+XLA reads ``--xla_force_host_platform_device_count`` once, when JAX starts, so the
+flag is set here before JAX is imported, in a process of its own
+(``tests/test_sharded.py`` runs it; under pytest-xdist any flag set in the
+suite's process would change every module's devices). It plans the small
+sharded stacks of ``tests/mesh_models.py`` on every layout and prints, as one
+JSON object, per layout: XLA's no-remat per-device peak, the smallest budget
+the graph prices, and per budget from that peak down to the smallest the plan's
+predicted and measured per-device peak, its recompute FLOPs, and whether its
+gradients and their shardings are those of the step without a plan.
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
+                           + " --xla_force_host_platform_device_count=8").strip()
+
+import json  # noqa: E402
+import sys  # noqa: E402
+from typing import Any  # noqa: E402
+
+import jax  # noqa: E402
+import numpy as np  # noqa: E402
+
+import optiremat  # noqa: E402
+from optiremat.client.step import Step, measured_peak  # noqa: E402
+from optiremat.client.step_graph import step_extraction  # noqa: E402
+from optiremat.solver.solution import InfeasibleBudgetError  # noqa: E402
+from optiremat.solver.solve import min_feasible_budget  # noqa: E402
+from tests.mesh_models import LAYOUTS, sharded_llama  # noqa: E402
+
+# Small enough to compile quickly on 8 simulated devices, split evenly on every layout.
+SIZES = dict(layers=4, seq=32, batch=8, d=64, ffn=176)
+
+
+def same_gradients(fun: Any, plan: optiremat.Plan, args: tuple) -> bool:
+    plain = jax.jit(jax.grad(fun))(*args)
+    placed = jax.jit(jax.grad(plan.apply(fun)))(*args)
+    for a, b in zip(jax.tree.leaves(plain), jax.tree.leaves(placed), strict=True):
+        if not a.sharding.is_equivalent_to(b.sharding, a.ndim):
+            return False
+        if not np.allclose(np.asarray(a), np.asarray(b), rtol=2e-5, atol=1e-6):
+            return False
+    return True
+
+
+def check(layout: str, constrained: bool) -> dict:
+    model = sharded_llama(layout, constrained, **SIZES)
+    fun, args = model.loss, model.args
+    no_remat = measured_peak(Step.of(0).function(fun).lower(*args).compile())
+    graph = step_extraction(fun, args, Step.of(0)).graph
+    low = min_feasible_budget(graph)
+    plans = []
+    # The two ends of the per-device budgets: each compile of a step on 8 simulated devices
+    # takes seconds, so the budgets between are bench/sharded.py's.
+    for budget in (no_remat, low):
+        try:
+            plan = optiremat.optimize(fun, *args, budget=budget)
+        except InfeasibleBudgetError as err:
+            plans.append({"budget": budget, "refused": err.min_budget_bytes})
+            continue
+        measured = plan.verify(fun, *args, peak=True).measured_peak_bytes
+        plans.append({"budget": budget, "predicted": plan.peak_bytes, "measured": measured,
+                      "flops": plan.recompute_flops,
+                      # Run at the smallest budget, where the plan recomputes the most.
+                      "same_gradients": same_gradients(fun, plan, args) if budget == low
+                      else None})
+    return {"no_remat": no_remat, "low": low, "plans": plans, "graph": graph.canonical_json(),
+            "mesh": [graph.mesh.axis_names, graph.mesh.axis_sizes] if graph.mesh else None,
+            "schema_version": graph.schema_version}
+
+
+# Every mesh, and the constraint inside the layer on two of them (bench/sharded.py runs
+# all six): about a minute each on two cores.
+CHECKED = ("dp", "fsdp_constrained", "tp_constrained")
+
+
+def main() -> None:
+    layouts = sys.argv[1:] or list(CHECKED)
+    assert all(name.split("_")[0] in LAYOUTS for name in layouts), layouts
+    out = {name: check(name.split("_")[0], name.endswith("_constrained")) for name in layouts}
+    print(json.dumps(out))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,92 @@
+"""The sharded corpus: the Llama-style ``lax.scan`` stack on a device mesh.
+
+Three layouts, as training libraries shard a stack of layers, each with or
+without a ``with_sharding_constraint`` on the layer's output (inside the scan
+body):
+
+* ``dp``: data parallel, the batch split over every device, parameters replicated;
+* ``fsdp``: the batch and every parameter split over every device (a parameter on
+  its first axis after the layer axis);
+* ``tp``: a 2 x 4 mesh, data x model: the batch over ``data``, the attention's and
+  the MLP's input projections split by columns over ``model``, their output
+  projections by rows (Megatron's layout).
+
+The process must have at least the mesh's devices: on CPU, set
+``XLA_FLAGS=--xla_force_host_platform_device_count=8`` before JAX is imported.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from tests.peak_models import llama, llama_layer
+
+LAYOUTS = ("dp", "fsdp", "tp")
+# Megatron's split of each stacked parameter (layers, in, out) on the tensor axis.
+COLUMNS = ("wq", "wk", "wv", "w_gate", "w_up")
+ROWS = ("wo", "w_down")
+
+
+@dataclass(frozen=True)
+class Sharded:
+    name: str
+    loss: Callable
+    args: tuple  # (params, x), placed on the mesh
+    mesh: Mesh
+
+
+def mesh_of(layout: str) -> Mesh:
+    devices = np.array(jax.devices()[:8])
+    if layout == "tp":
+        return Mesh(devices.reshape(2, 4), ("data", "model"))
+    return Mesh(devices, ("data",))
+
+
+def param_spec(layout: str, name: str, ndim: int) -> P:
+    if layout == "fsdp":
+        return P(None, "data")
+    if layout == "tp" and name in COLUMNS:
+        return P(None, None, "model")
+    if layout == "tp" and name in ROWS:
+        return P(None, "model", None)
+    return P()
+
+
+def sharded_llama(layout: str, constrained: bool, *, layers: int = 8, seq: int = 128,
+                  batch: int = 8, d: int = 256, ffn: int = 688,
+                  abstract: bool = False) -> Sharded:
+    """The issue's stack (D 256, F 688, 8 heads, 2 KV heads, f32) on ``layout``'s mesh;
+    ``abstract`` gives ``ShapeDtypeStruct`` arguments with shardings."""
+    mesh = mesh_of(layout)
+    _, (params, x) = llama(layers=layers, seq=seq, batch=batch, d=d, ffn=ffn,
+                           abstract=abstract)
+    layer = llama_layer(8, 2)
+    activations = NamedSharding(mesh, P("data"))
+
+    def loss(params: Any, x: jax.Array) -> jax.Array:
+        def body(h, p):
+            out = layer(h, p)
+            if constrained:
+                out = lax.with_sharding_constraint(out, activations)
+            return out, None
+        h, _ = lax.scan(body, x, params)
+        return jnp.mean(jnp.square(h.astype(jnp.float32)))
+
+    def place(value: Any, sharding: NamedSharding) -> Any:
+        if abstract:
+            return jax.ShapeDtypeStruct(value.shape, value.dtype, sharding=sharding)
+        return jax.device_put(value, sharding)
+
+    placed = {n: place(w, NamedSharding(mesh, param_spec(layout, n, w.ndim)))
+              for n, w in params.items()}
+    name = f"llama_{layout}{'_constrained' if constrained else ''}"
+    return Sharded(name, loss, (placed, place(x, activations)), mesh)

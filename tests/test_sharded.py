@@ -1,0 +1,87 @@
+"""Peak plans on a device mesh: the budget is what one device holds.
+
+The plans themselves run on 8 simulated CPU devices in a process of their own
+(``tests/mesh_checks.py``: the device count is fixed when JAX starts), on data
+parallel, FSDP and 2 x 4 tensor-parallel layouts, each with and without a
+``with_sharding_constraint`` in the layer. Bad input is checked here, on this
+process's one device.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import pytest
+from jax import lax
+from jax.sharding import AbstractMesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import optiremat
+from tests.service_harness import REPO
+
+# Among the suite's longest: handed out first (tests/conftest.py).
+pytestmark = pytest.mark.slow
+
+# Every mesh, and a constraint inside the layer on two (``tests/mesh_checks.py``).
+LAYOUTS = ["dp", "fsdp_constrained", "tp_constrained"]
+MESHES = {"dp": [["data"], [8]], "fsdp": [["data"], [8]], "tp": [["data", "model"], [2, 4]]}
+# Predicted per-device peak against XLA's, on every plan.
+TOLERANCE = 0.03
+
+
+@pytest.fixture(scope="module")
+def checks() -> dict:
+    done = subprocess.run([sys.executable, "-m", "tests.mesh_checks"], cwd=REPO,
+                          capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, done.stderr[-4000:]
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_plans_on_a_mesh_predict_and_honour_per_device_budgets(checks: dict,
+                                                              layout: str) -> None:
+    result = checks[layout]
+    assert result["schema_version"] == 3
+    assert result["mesh"] == MESHES[layout.split("_")[0]]
+    assert result["low"] < result["no_remat"]
+    for plan in result["plans"]:
+        assert "refused" not in plan, (layout, plan)  # every budget from the smallest up
+        assert plan["measured"] <= plan["budget"], (layout, plan)
+        error = (plan["predicted"] - plan["measured"]) / plan["measured"]
+        assert abs(error) <= TOLERANCE, (layout, plan, error)
+        assert plan["same_gradients"] in (True, None), (layout, plan)
+    assert result["plans"][-1]["same_gradients"] is True  # and output shardings
+    at_peak = result["plans"][0]
+    assert at_peak["budget"] == result["no_remat"] and at_peak["flops"] == 0
+    # The smallest budget recomputes: sharded bytes leave remat work to do there.
+    assert result["plans"][-1]["flops"] > 0
+
+
+def test_the_service_solves_a_graph_on_a_mesh_as_the_client_does(
+        checks: dict, remote: optiremat.RematClient) -> None:
+    graph = optiremat.CostGraph.model_validate_json(checks["tp_constrained"]["graph"])
+    assert graph.schema_version == 3 and graph.devices == 8
+    budget = checks["tp_constrained"]["low"]
+    local = optiremat.solve(graph, budget, time_limit_s=20.0)
+    answered = remote.solve(graph, budget, time_limit_s=20.0)
+    assert answered.fingerprint() == local.fingerprint()
+    assert answered.peak_bytes == local.peak_bytes <= budget
+
+
+def _loss(ws: jax.Array, x: jax.Array) -> jax.Array:
+    h, _ = lax.scan(lambda h, w: (jnp.tanh(h @ w), None), x, ws)
+    return jnp.sum(h)
+
+
+def test_a_mesh_larger_than_the_host_is_refused_naming_the_argument() -> None:
+    mesh = AbstractMesh((16,), ("data",))
+    x = jax.ShapeDtypeStruct((32, 8), jnp.float32, sharding=NamedSharding(mesh, P("data")))
+    ws = jax.ShapeDtypeStruct((4, 8, 8), jnp.float32)
+    with pytest.raises(optiremat.ShardingError, match=r"argument args\[1\] .*16 devices") as err:
+        optiremat.optimize(_loss, ws, x, budget="1MiB")
+    assert isinstance(err.value, optiremat.OptirematError)
+    assert "xla_force_host_platform_device_count=16" in str(err.value)
