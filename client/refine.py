@@ -56,8 +56,8 @@ MAX_ROUNDS = 4
 # Solves tightening past a built-in's shift when the solver's plan there holds more.
 MAX_TIGHTENINGS = 3
 # Checkpoint names tried, at most (an LM layer names about eight values), and the
-# candidates measured in all once a plan fits: each is a compile. While no plan fits, every candidate is
-# measured (leanest first): the alternative is refusing a budget a candidate meets.
+# candidates measured in all once a plan fits: each is a compile. While no plan fits,
+# every candidate is measured (leanest first): else a budget a candidate meets is refused.
 MAX_NAMED = 12
 MAX_CANDIDATES_MEASURED = 8
 
