@@ -239,11 +239,11 @@ class _Refinement:
         A named value saved can split a layer's backward pass in two and lower its
         working set, which the calibrated one cannot show: on an LM, saving the
         attention's out projection alone measures 18% under nothing_saveable's peak
-        (tests/lm_models.py, bench/peak.py). So while no plan fits, the leanest as priced
-        come first (those are the ones a tight budget may take); once one fits, the
-        leanest and the fewest FLOPs alternate: the leanest find the plans a budget
-        at a preset's peak holds, the fewest FLOPs the presets that save more than the
-        calibration suggests they fit."""
+        (tests/lm_models.py, bench/peak.py). So while no plan fits, the built-ins and the
+        names alone are tried, the leanest as priced first (those are the ones a tight
+        budget may take); once one fits, the leanest and the fewest FLOPs alternate: the
+        leanest find the plans a budget at a preset's peak holds, the fewest FLOPs the
+        presets that save more than the calibration suggests they fit."""
         g = self.graph
         candidates = list(builtin_offered_saves(g).values())
         # A name whose value is kept anyway (a layer's input) changes nothing saved.
@@ -251,7 +251,10 @@ class _Refinement:
         names = [key for key in _names_in_order(g)
                  if evaluate(g, _saving(g, {key})).residuals != kept][:MAX_NAMED]
         candidates += [_saving(g, {key}) for key in names]
-        candidates += [_saving(g, set(names[:end])) for end in range(2, len(names) + 1)]
+        # The names together are for FLOPs, once a plan fits: they hold more than the
+        # names alone, which are the ones a budget nothing fits yet may take.
+        if self.best is not None:
+            candidates += [_saving(g, set(names[:end])) for end in range(2, len(names) + 1)]
         view = BudgetView.of(g, None)
         unique = {tuple(saves): saves for saves in candidates}.values()
         priced = [(view.predicted(saves), recompute_flops(g, saves), saves) for saves in unique]
