@@ -248,9 +248,10 @@ class _Refinement:
         candidates = list(builtin_offered_saves(g).values())
         # A name whose value is kept anyway (a layer's input) changes nothing saved.
         kept = evaluate(g, [False] * g.num_nodes).residuals
-        names = [key for key in _names_in_order(g)
-                 if evaluate(g, _saving(g, {key})).residuals != kept][:MAX_NAMED]
-        candidates += [_saving(g, {key}) for key in names]
+        alone = {key: saves for key in _names_in_order(g)
+                 if evaluate(g, saves := _saving(g, {key})).residuals != kept}
+        names = list(alone)[:MAX_NAMED]
+        candidates += [alone[key] for key in names]
         # The names together are for FLOPs, once a plan fits: they hold more than the
         # names alone, which are the ones a budget nothing fits yet may take.
         if self.best is not None:
