@@ -10,8 +10,16 @@ from optiremat.client.extract import ExtractionError, extract_graph
 from optiremat.client.frontier import Frontier, sweep
 from optiremat.client.keys import policy_key
 from optiremat.client.placement import PlacementError
-from optiremat.client.plan import NamesForm, Plan, PlanError, Verification, optimize
+from optiremat.client.plan import (
+    NamesForm,
+    PeakPlan,
+    Plan,
+    PlanError,
+    ResidualPlan,
+    Verification,
+)
 from optiremat.client.planfile import PlanFile, PlanFileError, load_plan
+from optiremat.client.planning import PlanRequest, optimize
 from optiremat.client.plot import plot_frontier
 from optiremat.client.policy import KeyPolicy
 from optiremat.client.remote import RematClient
@@ -27,13 +35,16 @@ __all__ = [
     "KeyPolicy",
     "MemoryBudget",
     "NamesForm",
+    "PeakPlan",
     "Plan",
+    "PlanRequest",
     "PlanError",
     "PlacementError",
     "PlanFile",
     "PlanFileError",
     "ProblemError",
     "RematClient",
+    "ResidualPlan",
     "RemoteError",
     "ShardingError",
     "StepError",

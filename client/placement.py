@@ -36,7 +36,7 @@ from jax.ad_checkpoint import checkpoint_name
 
 import optiremat.client._jax_internals as jx
 from optiremat.client.cost_model import aval_bytes
-from optiremat.client.extract.tracing import trace
+from optiremat.client.extract.tracing import Traced, trace
 from optiremat.client.primitives import Role, info
 from optiremat.client.sharding import MeshLayout, Spec
 from optiremat.solver.errors import OptirematError
@@ -383,17 +383,47 @@ class Placement:
               groups: Sequence[int] | None = None) -> Callable:
         """``fun`` with every region checkpointed by ``policy`` (in ``groups[r]``
         rematerialised groups of layers where that is more than 1): same signature and
-        outputs."""
+        outputs. Like ``jax.jit``, ``fun`` is traced once per structure and types of its
+        arguments and the jaxpr reused (not where it closes over another trace's values)."""
+        jaxprs = TraceCache(fun)
+
         @functools.wraps(fun)
         def placed(*args, **kwargs):
-            traced = trace(fun, args, kwargs)
+            traced = jaxprs.traced(args, kwargs)
             if len(traced.flat_args) != len(self.differentiated):
                 raise PlacementError(
                     f"the plan was made for {len(self.differentiated)} array arguments, the "
                     f"function got {len(traced.flat_args)}")
-            closed = jx.ClosedJaxpr(traced.open_jaxpr, traced.consts)
-            out = place(closed, traced.flat_args, self.regions, [policy] * len(self.regions),
-                        self.differentiated, groups, self.name_inputs)
-            return jax.tree_util.tree_unflatten(traced.out_tree, out)
+            return self.evaluate(traced, jax.tree_util.tree_leaves((args, kwargs)), policy,
+                                 groups)
 
         return placed
+
+    def evaluate(self, traced: Traced, leaves: Sequence, policy: Policy,
+                 groups: Sequence[int] | None = None) -> Any:
+        """``traced``'s function at the flat arguments ``leaves`` with every region
+        checkpointed by ``policy``: its outputs, as the function returns them."""
+        closed = jx.ClosedJaxpr(traced.open_jaxpr, traced.consts)
+        out = place(closed, leaves, self.regions, [policy] * len(self.regions),
+                    self.differentiated, groups, self.name_inputs)
+        return jax.tree_util.tree_unflatten(traced.out_tree, out)
+
+
+class TraceCache:
+    """``fun`` traced once per tree structure and types (``jax.typeof``) of its arguments."""
+
+    def __init__(self, fun: Callable) -> None:
+        self.fun = fun
+        self._traced: dict[Any, Traced] = {}
+
+    def traced(self, args: Sequence, kwargs: dict) -> Traced:
+        leaves, tree = jax.tree_util.tree_flatten((tuple(args), dict(kwargs)))
+        key = (tree, tuple(jax.typeof(x) for x in leaves))
+        found = self._traced.get(key)
+        if found is None:
+            found = trace(self.fun, args, kwargs)
+            # A jaxpr holding a value of an enclosing trace (a closed-over tracer) is that
+            # trace's alone: reused in another it would leak the tracer.
+            if not any(isinstance(c, jax.core.Tracer) for c in found.consts):
+                self._traced[key] = found
+        return found

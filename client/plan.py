@@ -1,40 +1,36 @@
-"""``optimize``: from a JAX function and a budget to a checkpointing Plan.
+"""The plans ``optimize`` returns: one type per meaning of the budget.
 
-Two kinds of plan, by what the budget means (``memory``):
+* ``PeakPlan`` (``memory="peak"``, the default): the budget is the peak bytes of
+  the compiled training step, ``jax.jit(jax.grad(fun, argnums))``. The plan places
+  a remat region in every differentiated ``lax.scan`` (``client.placement``) and
+  decides, per policy key, what each region saves; ``plan.apply(fun)`` is the
+  function with those regions in place.
+* ``ResidualPlan`` (``memory="residuals"``): the budget is the residual bytes of
+  one ``jax.checkpoint`` around the whole function, exact against
+  ``saved_residuals``; ``plan.policy`` goes straight into
+  ``jax.checkpoint(fun, policy=...)``.
 
-* ``"peak"`` (the default): the peak bytes of the compiled training step,
-  ``jax.jit(jax.grad(fun, argnums))``. The plan places a remat region in every
-  differentiated ``lax.scan`` (``client.placement``) and decides, per policy
-  key, what each region saves; ``plan.apply(fun)`` is the function with those
-  regions in place.
-* ``"residuals"``: the residual bytes of one ``jax.checkpoint`` around the
-  whole function, exact against ``saved_residuals``; ``plan.policy`` goes
-  straight into ``jax.checkpoint(fun, policy=...)``.
+Both are a ``Plan``: a solution on a cost graph and the policy keys it saves.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import cached_property
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 import jax
 
-from optiremat.client.budget import resolve_budget, split_auto_keywords
 from optiremat.client.extract import Traced, graph_of_traced, trace
 from optiremat.client.measure import Residual, backward_flops, saved_residuals
 from optiremat.client.names import tag_every_value
 from optiremat.client.placement import Placement
 from optiremat.client.policy import KeyPolicy
-from optiremat.client.refine import refined_solve, step_measure
-from optiremat.client.step import Step, lowered_peak
-from optiremat.client.step_graph import step_extraction
+from optiremat.client.step import lowered_peak
 from optiremat.solver.errors import OptirematError
 from optiremat.solver.graph import CostGraph
 from optiremat.solver.solution import Decision, Solution
-from optiremat.solver.solve import solve
-from optiremat.solver.step import Memory
 from optiremat.solver.units import format_bytes
 
 # solve(graph, budget_bytes, **options) -> Solution: the local solver, or a server's.
@@ -147,8 +143,10 @@ class Verification:
                 "shardings: on a mesh a plan prices what one device holds) is cautious too.")
 
 
-def _names_form(traced: Traced, budget_bytes: int, options: dict,
-                solve_fn: SolveFn = solve) -> NamesForm:
+def names_form(traced: Traced, budget_bytes: int, options: dict,
+               solve_fn: SolveFn) -> NamesForm:
+    """The plan at ``budget_bytes`` solved untied on the graph of ``traced`` with every
+    value named (``save_only_these_names`` semantics)."""
     tagged = tag_every_value(traced)
     extraction = graph_of_traced(trace(tagged, traced_args(traced), {}), names=True)
     solution = solve_fn(extraction.graph, budget_bytes, **{**options, "tie": False})
@@ -172,30 +170,18 @@ def traced_args(traced: Traced) -> tuple:
 
 @dataclass
 class Plan:
-    """A solved checkpointing plan for one function, argument shapes and budget.
+    """A solved checkpointing plan for one function, argument shapes and budget: what
+    a ``PeakPlan`` and a ``ResidualPlan`` both have."""
 
-    A peak plan (the default) is applied with ``plan.apply(fun)``: the function
-    with a checkpoint inside each region. A residual plan's ``policy`` goes
-    straight into ``jax.checkpoint``. ``names`` is the plan written with
-    ``checkpoint_name`` (residual plans); untied plans (``tie=False``) exist
-    only in that form.
-    """
+    memory: ClassVar[Literal["peak", "residuals"]]  # what the budget means
 
     graph: CostGraph
     solution: Solution
     traced: Traced = field(repr=False)
     options: dict[str, Any] = field(default_factory=dict, repr=False)
-    _names: NamesForm | None = field(default=None, repr=False)
     key_aliases: dict[str, frozenset[str]] = field(default_factory=dict, repr=False)
-    solve_fn: SolveFn = field(default=solve, repr=False, compare=False)  # for the names form
-    placement: Placement | None = field(default=None, repr=False)  # peak plans
 
     # ---- predictions ------------------------------------------------------
-
-    @property
-    def memory(self) -> Literal["peak", "residuals"]:
-        """What the budget means: the step's peak, or one checkpoint's residuals."""
-        return "peak" if self.placement is not None else "residuals"
 
     @property
     def tied(self) -> bool:
@@ -212,15 +198,8 @@ class Plan:
 
     @property
     def peak_bytes(self) -> int | None:
-        """Predicted peak of the training step (peak plans)."""
+        """Predicted peak of the training step (None for a residual plan)."""
         return self.solution.peak_bytes
-
-    @property
-    def groups(self) -> tuple[int, ...] | None:
-        """Per region, its layers in that many rematerialised groups (1: per layer)."""
-        if self.placement is None:
-            return None
-        return tuple(self.solution.groups or [1] * len(self.placement.regions))
 
     @property
     def residual_bytes(self) -> int:
@@ -245,7 +224,7 @@ class Plan:
     def lower_bound_flops(self) -> int:
         return self.solution.lower_bound_flops
 
-    # ---- the forms --------------------------------------------------------
+    # ---- the policy -------------------------------------------------------
 
     def _keys(self, decision: Decision) -> frozenset[str]:
         """Policy keys decided so; a graph key standing for several expands to all of them."""
@@ -277,40 +256,14 @@ class Plan:
                 "or plan.names.fun with plan.names.policy.")
         return KeyPolicy(self.saved_keys, self.offloaded_keys, OFFLOAD_SRC, OFFLOAD_DST)
 
-    @property
-    def names(self) -> NamesForm:
-        """The names form, solved at this plan's budget (built on first use)."""
-        if self.placement is not None:
-            raise PlanError("the names form is for residual plans (memory='residuals'); a peak "
-                            "plan is applied with plan.apply(fun)")
-        if self._names is None:
-            self._names = _names_form(self.traced, self.budget_bytes, self.options,
-                                      self.solve_fn)
-        return self._names
-
-    def checkpoint(self, fun: Callable | None = None) -> Callable:
-        """``jax.checkpoint`` around the whole function (residual plans)."""
-        if self.placement is not None:
-            raise PlanError("a peak plan places its checkpoints inside the function's "
-                            "lax.scan bodies: use plan.apply(fun)")
-        if self.tied:
-            if fun is None:
-                raise PlanError("pass the function to checkpoint: plan.checkpoint(fun)")
-            return jax.checkpoint(fun, policy=self.policy)
-        return self.names.checkpoint()
-
     def apply(self, fun: Callable) -> Callable:
-        """``fun`` with the plan's remat in place: same signature, same outputs.
+        """``fun`` with the plan's remat in place: same signature, same outputs."""
+        raise NotImplementedError
 
-        A peak plan checkpoints the body of each region's ``lax.scan`` per
-        iteration with the plan's policy, so ``jax.jit(jax.grad(plan.apply(loss)))``
-        is the whole change a user makes; a residual plan checkpoints ``fun`` whole.
-        """
-        if self.placement is None:
-            return self.checkpoint(fun)
-        return self.placement.apply(fun, self.policy, self.solution.groups)
-
-    # ---- explaining and checking -------------------------------------------
+    def verify(self, fun: Callable | None = None, *args, flops: bool = False, peak: bool = False,
+               **kwargs) -> Verification:
+        """The prediction next to what JAX and XLA measure (``Verification``)."""
+        raise NotImplementedError
 
     def explain(self) -> str:
         """What the plan holds, where, and what it costs, in words."""
@@ -318,44 +271,51 @@ class Plan:
 
         return explain_plan(self.graph, self.solution)
 
+    def _args(self, args: tuple) -> tuple:
+        """The arguments to verify at: those given, else the ones the plan was made for."""
+        return args or traced_args(self.traced)
+
+
+@dataclass
+class PeakPlan(Plan):
+    """A plan for the peak of the training step: applied with ``plan.apply(fun)``, the
+    function with a checkpoint inside each region (``placement``)."""
+
+    memory: ClassVar[Literal["peak", "residuals"]] = "peak"
+
+    placement: Placement = field(kw_only=True, repr=False)
+
+    @property
+    def groups(self) -> tuple[int, ...]:
+        """Per region, its layers in that many rematerialised groups (1: per layer)."""
+        return tuple(self.solution.groups or [1] * len(self.placement.regions))
+
+    @property
+    def names(self) -> NamesForm:
+        raise PlanError("the names form is for residual plans (memory='residuals'); a peak "
+                        "plan is applied with plan.apply(fun)")
+
+    def checkpoint(self, fun: Callable | None = None) -> Callable:
+        raise PlanError("a peak plan places its checkpoints inside the function's "
+                        "lax.scan bodies: use plan.apply(fun)")
+
+    def apply(self, fun: Callable) -> Callable:
+        """``fun`` with each region's ``lax.scan`` body checkpointed per iteration by the
+        plan's policy: ``jax.jit(jax.grad(plan.apply(loss)))`` is the whole change a user
+        makes. ``fun`` is traced once per structure and types of its arguments."""
+        return self.placement.apply(fun, self.policy, self.solution.groups)
+
     def verify(self, fun: Callable | None = None, *args, flops: bool = False, peak: bool = False,
                **kwargs) -> Verification:
-        """Compare the prediction with ``saved_residuals`` and, with ``peak``, with XLA's
-        ``memory_analysis()`` of the compiled step (compiled, never run: arguments may be
-        ``jax.ShapeDtypeStruct``). With ``flops``, also the backward pass's FLOPs beyond
-        ``everything_saveable`` (residual plans)."""
-        if not args and not kwargs:
-            args = traced_args(self.traced)
-        if self.placement is None:
-            if peak:
-                raise PlanError("peak=True checks a peak plan (memory='peak'); this one plans "
-                                "residuals")
-            return self._verify_residuals(fun, args, kwargs, flops)
+        """The residuals of the step with the plan applied, next to the prediction, and
+        with ``peak`` XLA's ``memory_analysis()`` of the compiled step (compiled, never
+        run: arguments may be ``jax.ShapeDtypeStruct``)."""
         if fun is None:
             raise PlanError("pass the function: plan.verify(fun, *args)")
         if flops or kwargs:
             raise PlanError("a peak plan is verified at positional arguments, by residuals "
                             "and peak")
-        return self._verify_step(fun, args, peak)
-
-    def _verify_residuals(self, fun, args, kwargs, flops: bool) -> Verification:
-        checkpointed = self.checkpoint(fun)
-        residuals = saved_residuals(checkpointed, *args, **kwargs)
-        form: Plan | NamesForm = self if self.tied else self.names
-        measured_flops = None
-        if flops:
-            base_fun = fun if self.tied else self.names.fun
-            everything = jax.checkpoint(base_fun,
-                                        policy=jax.checkpoint_policies.everything_saveable)
-            measured_flops = (backward_flops(checkpointed, *args, **kwargs)
-                              - backward_flops(everything, *args, **kwargs))
-        device = sum(r.bytes for r in residuals if not r.host)
-        return Verification(form.residual_bytes, device, self.budget_bytes, residuals,
-                            form.recompute_flops, measured_flops, form.host_bytes,
-                            sum(r.bytes for r in residuals if r.host))
-
-    def _verify_step(self, fun: Callable, args: Sequence, peak: bool) -> Verification:
-        assert self.placement is not None
+        args = self._args(args)
         step = self.placement.step
         applied = self.apply(fun)
         chosen = sorted({i % len(args) for i in step.argnums})
@@ -384,99 +344,59 @@ class Plan:
                             measured_peak_bytes=measured_peak_bytes)
 
 
-def optimize(fun: Callable, *args, budget: int | str, memory: Literal["peak", "residuals"] = "peak",
-             tie: bool = True, argnums: int | Sequence[int] = 0,
-             donate_argnums: int | Sequence[int] = (), refine: bool = True,
-             **options) -> Plan:
-    """Solve for the checkpointing plan of ``fun`` at ``args`` under ``budget``.
+@dataclass
+class ResidualPlan(Plan):
+    """A plan for the residuals of one ``jax.checkpoint`` around the whole function: its
+    ``policy`` goes straight into ``jax.checkpoint``. ``names`` is the plan written with
+    ``checkpoint_name``; untied plans (``tie=False``) exist only in that form."""
 
-    ``budget`` is bytes, an int or a string like ``"12MiB"``, or ``"auto"``: the
-    device's memory less what it must keep free (``client.budget``; its keywords
-    ``device_memory``, ``optimizer_state`` and ``headroom`` are taken here too).
-    With ``memory="peak"`` (the default) it is the peak of the training step
-    ``jax.jit(jax.grad(fun, argnums), donate_argnums=...)``; with
-    ``memory="residuals"``, the residual bytes of ``jax.checkpoint(fun)``.
-    A peak plan is ``refine``d against its own backward working set: one compile
-    of one layer under its policy measures it, and the budget is solved again
-    when it differs from the calibrated one (``client.refine``); ``refine=False``
-    keeps the first answer and the calibrated working set.
-    Other ``options`` are ``solver.SolveOptions`` fields (``time_limit_s``,
-    ``relative_gap``, ``backend``; ``offload=OffloadOptions(...)`` lets a
-    plan keep residuals in host memory, a peak plan its layer inputs too).
-    Keyword arguments of ``fun`` itself are not taken here: bind them with
-    ``functools.partial``.
+    memory: ClassVar[Literal["peak", "residuals"]] = "residuals"
 
-    Example::
+    solve_fn: SolveFn | None = field(default=None, kw_only=True, repr=False, compare=False)
+    _names: NamesForm | None = field(default=None, kw_only=True, repr=False)
 
-        >>> import jax, jax.numpy as jnp
-        >>> def loss(ws, x):
-        ...     h, _ = jax.lax.scan(lambda h, w: (jnp.tanh(h @ w), None), x, ws)
-        ...     return jnp.sum(h)
-        >>> ws, x = jnp.ones((8, 64, 64)), jnp.ones((32, 64))
-        >>> plan = optimize(loss, ws, x, budget="1MiB")
-        >>> plan.peak_bytes <= plan.budget_bytes
-        True
-        >>> grads = jax.jit(jax.grad(plan.apply(loss)))(ws, x)
-    """
-    return plan_for(fun, args, budget, tie, dict(options, memory=memory, argnums=argnums,
-                                                  donate_argnums=donate_argnums, refine=refine),
-                    solve)
+    @property
+    def names(self) -> NamesForm:
+        """The names form, solved at this plan's budget (built on first use)."""
+        if self._names is None:
+            assert self.solve_fn is not None, "a tied residual plan keeps its solve function"
+            self._names = names_form(self.traced, self.budget_bytes, self.options,
+                                     self.solve_fn)
+        return self._names
 
+    def checkpoint(self, fun: Callable | None = None) -> Callable:
+        """``jax.checkpoint`` around the whole function."""
+        if self.tied:
+            if fun is None:
+                raise PlanError("pass the function to checkpoint: plan.checkpoint(fun)")
+            return jax.checkpoint(fun, policy=self.policy)
+        return self.names.checkpoint()
 
-def check_host_memory(device: Any = None) -> None:
-    """Refuse an offload request, before any solve, where the device (the default
-    backend's first) has no host memory to copy residuals to."""
-    device = jax.devices()[0] if device is None else device
-    kinds = sorted(m.kind for m in device.addressable_memories())
-    if OFFLOAD_DST not in kinds:
-        raise PlanError(f"offload needs '{OFFLOAD_DST}' memory to copy residuals to; the "
-                        f"{device.platform} device {device.id} has {kinds}: plan without "
-                        "offload")
+    def apply(self, fun: Callable) -> Callable:
+        """``fun`` checkpointed whole with the plan's policy."""
+        return self.checkpoint(fun)
 
-
-def plan_for(fun: Callable, args: tuple, budget: int | str, tie: bool, options: dict[str, Any],
-             solve_fn: SolveFn) -> Plan:
-    """``optimize`` with the solve step given: ``RematClient`` passes the server's."""
-    options, auto = split_auto_keywords(options)
-    memory = Memory(options.pop("memory", Memory.PEAK))
-    refine = options.pop("refine", True)
-    step = Step.of(options.pop("argnums", 0), options.pop("donate_argnums", ()))
-    offload = options.get("offload") is not None
-    if offload:
-        check_host_memory()
-    traced = trace(fun, args, {})
-    name = getattr(fun, "__qualname__", "")
-    if memory == Memory.PEAK:
-        if not tie:
-            raise PlanError("peak plans are tied by policy key for now: pass tie=True, or plan "
-                            "residuals with memory='residuals', tie=False")
-        # An offload plan may offload each layer's input too: it is named for the policy.
-        extracted = step_extraction(fun, args, step, name=name, name_inputs=offload)
-        budget_bytes = resolve_budget(budget, traced, None, auto, step, Memory.PEAK)
-        graph = extracted.graph
-
-        def solve_at(budget: int) -> Solution:
-            return solve_fn(graph, budget, tie=True, **options)
-
-        placement = Placement(extracted.regions, extracted.differentiated, step,
-                              name_inputs=offload)
-        # Offload plans are not refined: on CPU, XLA's memory analysis counts host
-        # buffers as device ones, so their peak cannot be measured here.
-        solution = (refined_solve(graph, extracted.regions, budget_bytes, solve_at,
-                                  step_measure(fun, args, extracted, placement))
-                    if refine and not offload else solve_at(budget_bytes))
-        return Plan(extracted.graph, solution, traced, dict(options),
-                    key_aliases=extracted.extraction.key_aliases, solve_fn=solve_fn,
-                    placement=placement)
-    # A graph without its step plans residuals: the options need not say so, and
-    # requests keep the hashes they had before peak budgets existed.
-    if tie:
-        extraction = graph_of_traced(traced, name=name)
-        budget_bytes = resolve_budget(budget, traced, extraction.graph, auto, step,
-                                      Memory.RESIDUALS)
-        solution = solve_fn(extraction.graph, budget_bytes, tie=True, **options)
-        return Plan(extraction.graph, solution, traced, dict(options),
-                    key_aliases=extraction.key_aliases, solve_fn=solve_fn)
-    budget_bytes = resolve_budget(budget, traced, None, auto, step, Memory.RESIDUALS)
-    names = _names_form(traced, budget_bytes, dict(options), solve_fn)
-    return Plan(names.graph, names.solution, traced, dict(options), names, solve_fn=solve_fn)
+    def verify(self, fun: Callable | None = None, *args, flops: bool = False, peak: bool = False,
+               **kwargs) -> Verification:
+        """The prediction next to ``saved_residuals``; with ``flops``, also the backward
+        pass's FLOPs beyond ``everything_saveable``."""
+        if peak:
+            raise PlanError("peak=True checks a peak plan (memory='peak'); this one plans "
+                            "residuals")
+        if not args and not kwargs:
+            args = self._args(args)
+        checkpointed = self.checkpoint(fun)
+        residuals = saved_residuals(checkpointed, *args, **kwargs)
+        form: Plan | NamesForm = self if self.tied else self.names
+        measured_flops = None
+        if flops:
+            base_fun = fun if self.tied else self.names.fun
+            assert base_fun is not None  # checkpoint(None) of a tied plan raised above
+            everything = jax.checkpoint(base_fun,
+                                        policy=jax.checkpoint_policies.everything_saveable)
+            measured_flops = (backward_flops(checkpointed, *args, **kwargs)
+                              - backward_flops(everything, *args, **kwargs))
+        device = sum(r.bytes for r in residuals if not r.host)
+        return Verification(form.residual_bytes, device, self.budget_bytes, residuals,
+                            form.recompute_flops, measured_flops, form.host_bytes,
+                            sum(r.bytes for r in residuals if r.host))

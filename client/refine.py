@@ -31,9 +31,12 @@ budget is the smallest measured peak refinement finds.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
+
+import jax
 
 from optiremat.client.calibration import assumed_working_bytes, working_bytes
 from optiremat.client.placement import Placement, Region
@@ -140,12 +143,19 @@ def _beyond_residuals(graph: CostGraph, saves: Sequence[bool], groups: Sequence[
 
 def step_measure(fun: Callable, args: Sequence, extracted: StepExtraction,
                  placement: Placement) -> StepMeasure:
-    """A plan's peak as XLA measures it: ``fun``'s step compiled with the plan applied."""
+    """A plan's peak as XLA measures it: ``fun``'s step compiled with the plan applied to
+    the jaxpr ``fun`` was traced to (``extracted.traced``; it is not traced again). The
+    program is the one ``plan.apply(fun)`` lowers to, so verifying a plan compiles nothing."""
     aliases = extracted.extraction.key_aliases
 
     def peak_of(keys: frozenset[str], groups: tuple[int, ...] | None) -> int:
         expanded = frozenset(k for key in keys for k in aliases.get(key, {key}))
-        applied = placement.apply(fun, KeyPolicy(expanded), groups)
+
+        @functools.wraps(fun)  # the module's name is the function's, as plan.apply's
+        def applied(*args):
+            return placement.evaluate(extracted.traced, jax.tree_util.tree_leaves(args),
+                                      KeyPolicy(expanded), groups)
+
         return lowered_peak(placement.step.function(applied).lower(*args))
 
     return StepMeasure(extracted.graph, peak_of)

@@ -173,7 +173,7 @@ class RematClient:
         the synchronous endpoint, a progress bar on a terminal). ``budget`` may
         be ``"auto"``, with the keywords of ``optiremat.client.budget.memory_budget``.
         """
-        from optiremat.client.plan import plan_for
+        from optiremat.client.planning import plan_for
 
         def remote_solve(graph: CostGraph, budget_bytes: int, **opts: Any) -> Solution:
             if job:

@@ -16,7 +16,7 @@ import jax
 import optiremat.client._jax_internals as jx
 from optiremat.client.calibration import assumed_working_bytes, calibrate_phases
 from optiremat.client.extract.graphs import Extraction, graph_of_traced
-from optiremat.client.extract.tracing import trace
+from optiremat.client.extract.tracing import Traced, trace
 from optiremat.client.placement import Region, RegionMarker, find_regions, place
 from optiremat.client.sharding import propagate
 from optiremat.client.step import Step, StepMemoryAnalysis, lowered_memory
@@ -31,6 +31,7 @@ class StepExtraction:
     extraction: Extraction  # its graph carries the step's memory (CostGraph.step)
     regions: tuple[Region, ...]
     differentiated: tuple[bool, ...]  # per flattened argument: whether the step differentiates it
+    traced: Traced  # the function, traced once: every later compile evaluates its jaxpr
 
     @property
     def graph(self) -> CostGraph:
@@ -43,8 +44,15 @@ def step_extraction(fun: Callable, args: Sequence, step: Step, *, name: str = ""
     region in every differentiated ``lax.scan`` (``client.placement``), and what
     the step holds and each region's working set (one compile per distinct layer).
     With ``name_inputs`` each layer's input is offered to the plan too (to offload)."""
+    return traced_step_extraction(trace(fun, args, {}), args, step, name=name,
+                                  name_inputs=name_inputs)
+
+
+def traced_step_extraction(traced: Traced, args: Sequence, step: Step, *, name: str = "",
+                           name_inputs: bool = False) -> StepExtraction:
+    """``step_extraction`` of a function already traced at ``args``: every later trace
+    and compile evaluates its jaxpr, never the function again."""
     step.check(args)
-    traced = trace(fun, args, {})
     traced.check_differentiable()  # before the compiles that measure working sets
     flags = step.differentiated(args)
     closed = jx.ClosedJaxpr(traced.open_jaxpr, traced.consts)
@@ -89,7 +97,7 @@ def step_extraction(fun: Callable, args: Sequence, step: Step, *, name: str = ""
     calibrated = calibrate_phases(extraction.graph, regions,
                                   lambda policy: step_memory(policy).peak_bytes)
     graph = CostGraph.model_construct(**{**dict(extraction.graph), "step": calibrated})
-    return StepExtraction(replace(extraction, graph=graph), regions, tuple(flags))
+    return StepExtraction(replace(extraction, graph=graph), regions, tuple(flags), traced)
 
 
 def extract_step(fun: Callable, *args, argnums: int | Sequence[int] = 0,

@@ -1,11 +1,11 @@
 """optiremat: optimal activation checkpointing for JAX.
 
 ``optiremat.optimize(fun, *args, budget=...)`` traces ``fun``, solves the
-checkpointing MILP and returns a ``Plan``; ``RematClient`` does the same with a
-server's solver. The package has three parts: ``optiremat.solver`` (the cost
-graph and the MILP; pydantic, and OR-Tools from the first local solve on),
-``optiremat.client`` (extraction from JAX, plans, the remote client) and
-``optiremat.service`` (the REST API).
+checkpointing MILP and returns a plan (a ``PeakPlan``, or a ``ResidualPlan``);
+``RematClient`` does the same with a server's solver. The package has three
+parts: ``optiremat.solver`` (the cost graph and the MILP; pydantic, and
+OR-Tools from the first local solve on), ``optiremat.client`` (extraction
+from JAX, plans, the remote client) and ``optiremat.service`` (the REST API).
 
 The solver's names are imported here eagerly. The client's names are imported
 on first use: the service and the CLI import this package too, and they must
@@ -43,6 +43,7 @@ if TYPE_CHECKING:
         KeyPolicy,
         MemoryBudget,
         NamesForm,
+        PeakPlan,
         PlacementError,
         Plan,
         PlanError,
@@ -51,6 +52,7 @@ if TYPE_CHECKING:
         ProblemError,
         RematClient,
         RemoteError,
+        ResidualPlan,
         ShardingError,
         StepError,
         Verification,
@@ -80,6 +82,7 @@ __all__ = [
     "NamesForm",
     "OffloadOptions",
     "OptirematError",
+    "PeakPlan",
     "PlacementError",
     "Plan",
     "PlanError",
@@ -88,6 +91,7 @@ __all__ = [
     "ProblemError",
     "RematClient",
     "RemoteError",
+    "ResidualPlan",
     "ShardingError",
     "Solution",
     "SolveOptions",

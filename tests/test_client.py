@@ -14,7 +14,7 @@ import pytest
 from jax import lax
 
 import optiremat.client.extract.graphs
-import optiremat.client.plan
+import optiremat.client.planning
 from optiremat.client import (
     ExtractionError,
     KeyPolicy,
@@ -140,7 +140,7 @@ def test_version_parsing_for_the_supported_range():
     assert _version_tuple("0.11.0.dev20261101") == (0, 11, 0)
 
 
-@pytest.mark.parametrize("module", [optiremat.client.extract.graphs, optiremat.client.plan])
+@pytest.mark.parametrize("module", [optiremat.client.extract.graphs, optiremat.client.planning])
 def test_docstring_examples_run(module):
     result = doctest.testmod(module, optionflags=doctest.ELLIPSIS)
     assert result.attempted > 0 and result.failed == 0

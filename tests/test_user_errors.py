@@ -13,7 +13,7 @@ import pytest
 from jax import lax
 
 import optiremat
-from optiremat.client.plan import plan_for
+from optiremat.client.planning import plan_for
 from optiremat.solver.solution import Decision
 from optiremat.solver.solve import solve
 

@@ -1,0 +1,51 @@
+"""The peak planner: a plan whose compiled training step peaks within the budget.
+
+The function, traced once, is walked as the step differentiates it with a remat
+region in every differentiated ``lax.scan`` (``client.step_graph``, which also
+calibrates each phase's working set), solved at the budget, and refined against
+the step compiled with the plan applied (``client.refine``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING
+
+from optiremat.client.extract import Traced
+from optiremat.client.placement import Placement
+from optiremat.client.plan import PeakPlan, PlanError, SolveFn
+from optiremat.client.refine import refined_solve, step_measure
+from optiremat.client.step_graph import traced_step_extraction
+from optiremat.solver.solution import Solution
+
+if TYPE_CHECKING:
+    from optiremat.client.planning import PlanRequest
+
+
+def plan_peak(fun: Callable, traced: Traced, args: Sequence, request: PlanRequest,
+              solve_fn: SolveFn) -> PeakPlan:
+    """The ``PeakPlan`` of ``request`` for ``fun``, traced at ``args`` as ``traced``."""
+    if not request.tie:
+        raise PlanError("peak plans are tied by policy key: pass tie=True, or plan "
+                        "residuals with memory='residuals', tie=False")
+    budget_bytes = request.budget_bytes(traced)
+    # An offload plan may offload each layer's input too: it is named for the policy.
+    extracted = traced_step_extraction(traced, args, request.step,
+                                       name=getattr(fun, "__qualname__", ""),
+                                       name_inputs=request.offload)
+    graph, options = extracted.graph, dict(request.options)
+
+    def solve_at(budget: int) -> Solution:
+        return solve_fn(graph, budget, tie=True, **options)
+
+    placement = Placement(extracted.regions, extracted.differentiated, request.step,
+                          name_inputs=request.offload)
+    # Offload plans are not refined: on CPU, XLA's memory analysis counts host
+    # buffers as device ones, so their peak cannot be measured here.
+    if request.refine and not request.offload:
+        solution = refined_solve(graph, extracted.regions, budget_bytes, solve_at,
+                                 step_measure(fun, args, extracted, placement))
+    else:
+        solution = solve_at(budget_bytes)
+    return PeakPlan(graph, solution, traced, options,
+                    key_aliases=extracted.extraction.key_aliases, placement=placement)

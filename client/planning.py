@@ -1,0 +1,138 @@
+"""``optimize``: from a JAX function and a budget to a plan.
+
+``optimize`` reads its keyword arguments into one ``PlanRequest``, traces the
+function once, and hands both to the planner of the budget's meaning: the peak
+planner (``client.peak_planner``: the compiled step's peak, a ``PeakPlan``) or
+the residual planner below (one checkpoint's residuals, a ``ResidualPlan``).
+``RematClient`` calls the same ``plan_for`` with the server's solve.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import jax
+
+from optiremat.client.budget import resolve_budget, split_auto_keywords
+from optiremat.client.extract import Traced, graph_of_traced, trace
+from optiremat.client.plan import (
+    OFFLOAD_DST,
+    Plan,
+    PlanError,
+    ResidualPlan,
+    SolveFn,
+    names_form,
+)
+from optiremat.client.step import Step
+from optiremat.solver.solve import solve
+from optiremat.solver.step import Memory
+
+
+@dataclass(frozen=True)
+class PlanRequest:
+    """What ``optimize`` was asked for, read once from its keyword arguments."""
+
+    budget: int | str  # bytes, "12MiB", or "auto"
+    memory: Memory  # what the budget means
+    step: Step  # argnums and donate_argnums of the training step
+    tie: bool  # decide per policy key (else per equation: residual plans only)
+    refine: bool  # fit a peak plan to its own measured peak
+    auto: dict[str, Any]  # budget="auto"'s keywords (client.budget)
+    options: dict[str, Any]  # solver.SolveOptions fields
+
+    @classmethod
+    def of(cls, budget: int | str, tie: bool, keywords: dict[str, Any]) -> PlanRequest:
+        options, auto = split_auto_keywords(keywords)
+        return cls(budget=budget, memory=Memory(options.pop("memory", Memory.PEAK)),
+                   step=Step.of(options.pop("argnums", 0), options.pop("donate_argnums", ())),
+                   tie=tie, refine=options.pop("refine", True), auto=auto, options=options)
+
+    @property
+    def offload(self) -> bool:
+        return self.options.get("offload") is not None
+
+    def budget_bytes(self, traced: Traced, graph: Any = None) -> int:
+        return resolve_budget(self.budget, traced, graph, self.auto, self.step, self.memory)
+
+
+def optimize(fun: Callable, *args, budget: int | str, memory: Literal["peak", "residuals"] = "peak",
+             tie: bool = True, argnums: int | Sequence[int] = 0,
+             donate_argnums: int | Sequence[int] = (), refine: bool = True,
+             **options) -> Plan:
+    """Solve for the checkpointing plan of ``fun`` at ``args`` under ``budget``.
+
+    ``budget`` is bytes, an int or a string like ``"12MiB"``, or ``"auto"``: the
+    device's memory less what it must keep free (``client.budget``; its keywords
+    ``device_memory``, ``optimizer_state`` and ``headroom`` are taken here too).
+    With ``memory="peak"`` (the default) it is the peak of the training step
+    ``jax.jit(jax.grad(fun, argnums), donate_argnums=...)`` and the answer a
+    ``PeakPlan``; with ``memory="residuals"``, the residual bytes of
+    ``jax.checkpoint(fun)`` and a ``ResidualPlan``.
+    A peak plan is ``refine``d against its own measured peak (``client.refine``);
+    ``refine=False`` keeps the first answer and the calibrated working sets.
+    Other ``options`` are ``solver.SolveOptions`` fields (``time_limit_s``,
+    ``relative_gap``, ``backend``; ``offload=OffloadOptions(...)`` lets a
+    plan keep residuals in host memory, a peak plan its layer inputs too).
+    Keyword arguments of ``fun`` itself are not taken here: bind them with
+    ``functools.partial``.
+
+    Example::
+
+        >>> import jax, jax.numpy as jnp
+        >>> def loss(ws, x):
+        ...     h, _ = jax.lax.scan(lambda h, w: (jnp.tanh(h @ w), None), x, ws)
+        ...     return jnp.sum(h)
+        >>> ws, x = jnp.ones((8, 64, 64)), jnp.ones((32, 64))
+        >>> plan = optimize(loss, ws, x, budget="1MiB")
+        >>> plan.peak_bytes <= plan.budget_bytes
+        True
+        >>> grads = jax.jit(jax.grad(plan.apply(loss)))(ws, x)
+    """
+    return plan_for(fun, args, budget, tie, dict(options, memory=memory, argnums=argnums,
+                                                  donate_argnums=donate_argnums, refine=refine),
+                    solve)
+
+
+def plan_for(fun: Callable, args: tuple, budget: int | str, tie: bool, options: dict[str, Any],
+             solve_fn: SolveFn) -> Plan:
+    """``optimize`` with the solve step given: ``RematClient`` passes the server's."""
+    from optiremat.client.peak_planner import plan_peak
+
+    request = PlanRequest.of(budget, tie, options)
+    if request.offload:
+        check_host_memory()
+    traced = trace(fun, args, {})
+    if request.memory == Memory.PEAK:
+        return plan_peak(fun, traced, args, request, solve_fn)
+    return plan_residuals(traced, request, solve_fn, name=getattr(fun, "__qualname__", ""))
+
+
+def plan_residuals(traced: Traced, request: PlanRequest, solve_fn: SolveFn, *,
+                   name: str = "") -> ResidualPlan:
+    """The plan for the residuals of one ``jax.checkpoint`` around ``traced``'s function:
+    tied, on its graph by policy key; untied, on its names graph equation by equation."""
+    options = dict(request.options)
+    if not request.tie:
+        names = names_form(traced, request.budget_bytes(traced), options, solve_fn)
+        return ResidualPlan(names.graph, names.solution, traced, options, _names=names,
+                            solve_fn=solve_fn)
+    # A graph without its step plans residuals: the options need not say so, and
+    # requests keep the hashes they had before peak budgets existed.
+    extraction = graph_of_traced(traced, name=name)
+    budget_bytes = request.budget_bytes(traced, extraction.graph)
+    solution = solve_fn(extraction.graph, budget_bytes, tie=True, **options)
+    return ResidualPlan(extraction.graph, solution, traced, options,
+                        key_aliases=extraction.key_aliases, solve_fn=solve_fn)
+
+
+def check_host_memory(device: Any = None) -> None:
+    """Refuse an offload request, before any solve, where the device (the default
+    backend's first) has no host memory to copy residuals to."""
+    device = jax.devices()[0] if device is None else device
+    kinds = sorted(m.kind for m in device.addressable_memories())
+    if OFFLOAD_DST not in kinds:
+        raise PlanError(f"offload needs '{OFFLOAD_DST}' memory to copy residuals to; the "
+                        f"{device.platform} device {device.id} has {kinds}: plan without "
+                        "offload")
