@@ -24,6 +24,7 @@ from optiremat.client import (
     policy_key,
 )
 from optiremat.client._jax_internals import _version_tuple
+from optiremat.client.placement import TraceCache
 from optiremat.solver.solution import InfeasibleBudgetError
 from optiremat.solver.solve import min_feasible_budget
 from optiremat.solver.units import parse_bytes
@@ -144,3 +145,67 @@ def test_version_parsing_for_the_supported_range():
 def test_docstring_examples_run(module):
     result = doctest.testmod(module, optionflags=doctest.ELLIPSIS)
     assert result.attempted > 0 and result.failed == 0
+
+
+def _counting_stack(calls: list[int]):
+    """A scan stack of tanh layers whose Python body counts how often it is traced."""
+    def loss(ws, x):
+        calls.append(1)
+        h, _ = lax.scan(lambda h, w: (jnp.tanh(h @ w), None), x, ws)
+        return jnp.sum(h)
+    return loss
+
+
+@pytest.mark.parametrize("memory", ["peak", "residuals"])
+def test_optimize_traces_the_function_once(memory):
+    calls: list[int] = []
+    ws, x = jnp.ones((4, 32, 32)), jnp.ones((8, 32))
+    plan = optimize(_counting_stack(calls), ws, x, budget="1MiB", memory=memory)
+    assert calls == [1]
+    assert plan.memory == memory and type(plan).__name__ == {
+        "peak": "PeakPlan", "residuals": "ResidualPlan"}[memory]
+
+
+def test_a_trace_is_reused_for_the_same_argument_structure_and_types_only():
+    calls: list[int] = []
+    cache = TraceCache(_counting_stack(calls))
+    ws, x = jnp.ones((4, 32, 32)), jnp.ones((8, 32))
+    first = cache.traced((ws, x), {})
+    assert cache.traced((ws + 1, x), {}) is first and calls == [1]
+    cache.traced((ws, jnp.ones((16, 32))), {})  # another shape
+    cache.traced((ws.astype(jnp.bfloat16), x.astype(jnp.bfloat16)), {})  # another dtype
+    cache.traced((ws,), {"x": x})  # another structure
+    assert calls == [1, 1, 1, 1]
+
+
+def test_apply_traces_once_per_argument_structure_and_types():
+    calls: list[int] = []
+    loss = _counting_stack(calls)
+    ws, x = jnp.ones((4, 32, 32)), jnp.ones((8, 32))
+    applied = optimize(loss, ws, x, budget="1MiB").apply(loss)
+    calls.clear()
+    first = jax.jit(jax.grad(applied))(ws, x)
+    again = jax.jit(jax.grad(applied))(ws * 2, x)  # another jit: its own trace of applied
+    assert calls == [1]
+    assert jnp.allclose(first, jax.grad(loss)(ws, x))
+    assert jnp.allclose(again, jax.grad(loss)(ws * 2, x))
+
+
+def test_apply_does_not_reuse_a_trace_that_closed_over_another_traces_value():
+    """A function reading a value of an enclosing trace (here a learning-rate-like scale
+    set by the caller) is traced anew in each: a reused jaxpr would leak the tracer."""
+    ws, x = jnp.ones((4, 32, 32)), jnp.ones((8, 32))
+    box = {"scale": 1.0}
+
+    def loss(ws, x):
+        h, _ = lax.scan(lambda h, w: (jnp.tanh(h @ w), None), box["scale"] * x, ws)
+        return jnp.sum(h)
+
+    def outer(scale, fun):
+        box["scale"] = scale
+        return jax.grad(fun)(ws, x).sum()
+
+    applied = optimize(loss, ws, x, budget="1MiB").apply(loss)
+    got = [jax.grad(outer)(s, applied) for s in (0.5, 0.7)]
+    assert jnp.allclose(jnp.array(got), jnp.array([jax.grad(outer)(s, loss) for s in (0.5, 0.7)]),
+                        rtol=1e-5)
