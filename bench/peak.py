@@ -36,11 +36,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
-from optiremat.client.placement import Placement  # noqa: E402
+from optiremat.client.peak.placement import Placement  # noqa: E402
+from optiremat.client.peak.refine import refined_solve, step_measure  # noqa: E402
+from optiremat.client.peak.step_graph import step_extraction  # noqa: E402
 from optiremat.client.policy import KeyPolicy  # noqa: E402
-from optiremat.client.refine import refined_solve, step_measure  # noqa: E402
 from optiremat.client.step import Step, measured_peak  # noqa: E402
-from optiremat.client.step_graph import step_extraction  # noqa: E402
 from optiremat.solver.baselines import policy_saves  # noqa: E402
 from optiremat.solver.frontier import spaced_budgets  # noqa: E402
 from optiremat.solver.peak import BudgetView  # noqa: E402

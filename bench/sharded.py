@@ -30,8 +30,8 @@ from pathlib import Path  # noqa: E402
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import optiremat  # noqa: E402
+from optiremat.client.peak.step_graph import step_extraction  # noqa: E402
 from optiremat.client.step import Step, measured_peak  # noqa: E402
-from optiremat.client.step_graph import step_extraction  # noqa: E402
 from optiremat.solver.solution import InfeasibleBudgetError  # noqa: E402
 from optiremat.solver.solve import min_feasible_budget  # noqa: E402
 from optiremat.solver.units import format_bytes  # noqa: E402

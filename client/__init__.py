@@ -9,7 +9,8 @@ from optiremat.client.errors import ConnectionFailed, ProblemError, RemoteError
 from optiremat.client.extract import ExtractionError, extract_graph
 from optiremat.client.frontier import Frontier, sweep
 from optiremat.client.keys import policy_key
-from optiremat.client.placement import PlacementError
+from optiremat.client.peak.placement import PlacementError
+from optiremat.client.peak.step_graph import extract_step
 from optiremat.client.plan import (
     NamesForm,
     PeakPlan,
@@ -25,7 +26,6 @@ from optiremat.client.policy import KeyPolicy
 from optiremat.client.remote import RematClient
 from optiremat.client.sharding import ShardingError
 from optiremat.client.step import StepError, measured_peak
-from optiremat.client.step_graph import extract_step
 
 __all__ = [
     "BudgetError",

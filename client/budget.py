@@ -47,7 +47,7 @@ Held memory is counted in two places, with two donation rules, on purpose:
 Sizes here come from each leaf's NumPy dtype (a Python float is 8 bytes), while
 ``Step.held_memory`` uses JAX's dtype (4 bytes without x64), as the step holds it.
 On a mesh each leaf weighs its shard (``sharding.shard_shape``): the budget is one
-device's, and a peak budget's held bytes are XLA's own (``client.step_graph``).
+device's, and a peak budget's held bytes are XLA's own (``client.peak.step_graph``).
 """
 
 from __future__ import annotations

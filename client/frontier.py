@@ -30,7 +30,7 @@ from optiremat.solver.step import Memory
 from optiremat.solver.wire import DEFAULT_FRONTIER_POINTS, Frontier, FrontierPoint
 
 if TYPE_CHECKING:
-    from optiremat.client.placement import Region
+    from optiremat.client.peak.placement import Region
 
 __all__ = [
     "DEFAULT_POINTS",
@@ -60,7 +60,7 @@ def sweep(graph: CostGraph, budgets: Sequence[int] | None = None,
 
     With a step's ``regions`` (``step_extraction(...).regions``, when the function is
     at hand) each plan without offload is refined against its own working set, as
-    ``optimize`` refines it (``client.refine``): one compile of one layer per policy,
+    ``optimize`` refines it (``client.peak.refine``): one compile of one layer per policy,
     and peaks as XLA measures them rather than as the calibrated working set prices
     them (off by up to a fifth on the scan corpus)."""
     resolved = resolve_options(None, dict(options))
@@ -85,7 +85,7 @@ def _refined(graph: CostGraph, regions: Sequence[Region], budgets: Sequence[int]
     """Each budget's plan refined against its own working set (measurements are shared
     between budgets); a budget no refined plan fits is infeasible, naming the smallest
     measured peak."""
-    from optiremat.client.refine import refined_solve
+    from optiremat.client.peak.refine import refined_solve
 
     results: dict[int, FrontierResult] = {}
     for budget in sorted(set(budgets)):
@@ -148,7 +148,7 @@ def graph_builtin_points(graph: CostGraph,
     """JAX's built-in policies as the graph prices them: the equations each saves of
     those it is offered; on a step's graph, applied in every region (a checkpoint per
     layer), with their predicted peaks, each with its own working set measured where
-    the step's ``regions`` are given (``client.refine.working_set_delta``)."""
+    the step's ``regions`` are given (``client.peak.refine.working_set_delta``)."""
     base = baseline_backward_flops(graph)
     view = BudgetView.of(graph, None)
     points = {}
@@ -156,7 +156,7 @@ def graph_builtin_points(graph: CostGraph,
         ev = evaluate(graph, offered)
         peak = view.predicted(offered) if view.memory == Memory.PEAK else None
         if peak is not None and regions is not None:
-            from optiremat.client.refine import working_set_delta
+            from optiremat.client.peak.refine import working_set_delta
 
             keys = frozenset(k for k, s in zip(graph.node_key, offered, strict=True) if s)
             peak += working_set_delta(graph, regions, offered, keys)

@@ -2,7 +2,7 @@
 
 * ``PeakPlan`` (``memory="peak"``, the default): the budget is the peak bytes of
   the compiled training step, ``jax.jit(jax.grad(fun, argnums))``. The plan places
-  a remat region in every differentiated ``lax.scan`` (``client.placement``) and
+  a remat region in every differentiated ``lax.scan`` (``client.peak.placement``) and
   decides, per policy key, what each region saves; ``plan.apply(fun)`` is the
   function with those regions in place.
 * ``ResidualPlan`` (``memory="residuals"``): the budget is the residual bytes of
@@ -25,7 +25,7 @@ import jax
 from optiremat.client.extract import Traced, graph_of_traced, trace
 from optiremat.client.measure import Residual, backward_flops, saved_residuals
 from optiremat.client.names import tag_every_value
-from optiremat.client.placement import Placement
+from optiremat.client.peak.placement import Placement
 from optiremat.client.policy import KeyPolicy
 from optiremat.client.step import lowered_peak
 from optiremat.solver.errors import OptirematError

@@ -2,7 +2,7 @@
 
 ``optimize`` reads its keyword arguments into one ``PlanRequest``, traces the
 function once, and hands both to the planner of the budget's meaning: the peak
-planner (``client.peak_planner``: the compiled step's peak, a ``PeakPlan``) or
+planner (``client.peak.planner``: the compiled step's peak, a ``PeakPlan``) or
 the residual planner below (one checkpoint's residuals, a ``ResidualPlan``).
 ``RematClient`` calls the same ``plan_for`` with the server's solve.
 """
@@ -70,7 +70,7 @@ def optimize(fun: Callable, *args, budget: int | str, memory: Literal["peak", "r
     ``jax.jit(jax.grad(fun, argnums), donate_argnums=...)`` and the answer a
     ``PeakPlan``; with ``memory="residuals"``, the residual bytes of
     ``jax.checkpoint(fun)`` and a ``ResidualPlan``.
-    A peak plan is ``refine``d against its own measured peak (``client.refine``);
+    A peak plan is ``refine``d against its own measured peak (``client.peak.refine``);
     ``refine=False`` keeps the first answer and the calibrated working sets.
     Other ``options`` are ``solver.SolveOptions`` fields (``time_limit_s``,
     ``relative_gap``, ``backend``; ``offload=OffloadOptions(...)`` lets a
@@ -98,7 +98,7 @@ def optimize(fun: Callable, *args, budget: int | str, memory: Literal["peak", "r
 def plan_for(fun: Callable, args: tuple, budget: int | str, tie: bool, options: dict[str, Any],
              solve_fn: SolveFn) -> Plan:
     """``optimize`` with the solve step given: ``RematClient`` passes the server's."""
-    from optiremat.client.peak_planner import plan_peak
+    from optiremat.client.peak.planner import plan_peak
 
     request = PlanRequest.of(budget, tie, options)
     if request.offload:

@@ -163,14 +163,14 @@ def plot_function(fun: Callable, *args: Any, path: str | Path, points: int = DEF
                   memory: str = "peak", **options: Any) -> Path:
     """Extract ``fun``, sweep ``points`` budgets locally, price the built-ins, and plot:
     peaks of the training step by default (plans and the built-ins applied per layer
-    with their own working sets measured, ``client.refine``), or with
+    with their own working sets measured, ``client.peak.refine``), or with
     ``memory="residuals"`` the residuals of one checkpoint around ``fun`` (the
     built-ins measured by ``saved_residuals``). With
     ``offload=OffloadOptions(...)`` the plans use all three levers and the plot is
     peak bytes against estimated step time."""
     from optiremat.client.extract import extract_graph
+    from optiremat.client.peak.step_graph import step_extraction
     from optiremat.client.step import Step
-    from optiremat.client.step_graph import step_extraction
 
     regions = None
     if memory == "peak":

@@ -272,7 +272,7 @@ def _top_level_keys(data: bytes) -> set[str]:
 
 def _extract(args: argparse.Namespace) -> int:
     from optiremat.client.extract import extract_graph
-    from optiremat.client.step_graph import extract_step
+    from optiremat.client.peak.step_graph import extract_step
     from optiremat.client.target import load_target
 
     fun, fun_args = load_target(args.target, args.args)

@@ -24,7 +24,7 @@ step runs in *phases*, and its peak is the largest of them::
   JAX's own choice, the same for every plan, and are counted in the phases
   that hold them.
 * working sets: a region's is one layer's recomputation and cotangents,
-  measured by one compile of one layer (``optiremat.client.calibration``); the
+  measured by one compile of one layer (``optiremat.client.peak.calibration``); the
   phases outside the regions hold ``StepMemory.outside_working_bytes``,
   measured by one compile of the step.
 

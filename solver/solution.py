@@ -118,7 +118,7 @@ class Solution(BaseModel):
     # (``residual_bytes`` stays every residual, arguments included).
     peak_bytes: StrictInt | None = Field(default=None, exclude_if=lambda v: v is None)
     # Set by the client when it measured the plan's own backward working set (one
-    # compile of one layer under the plan's policy, ``client.refine``): what
+    # compile of one layer under the plan's policy, ``client.peak.refine``): what
     # ``peak_bytes`` counts instead of the step's calibrated working set.
     working_bytes: StrictInt | None = Field(default=None, exclude_if=lambda v: v is None)
     # With nested groups: per region of the step, its layers in that many rematerialised

@@ -48,7 +48,7 @@ class StepMemory(BaseModel):
     regions: list[RegionMemory] = Field(default_factory=list)
     # What the phases outside every region hold beyond the residuals live there (the
     # LM head's logits, softmax and their cotangents, the forward pass's last buffers),
-    # measured with one compile of the step (``optiremat.client.calibration``). None (a
+    # measured with one compile of the step (``optiremat.client.peak.calibration``). None (a
     # graph from before phases were priced): every residual counts against every region's
     # backward pass, as it did then (``optiremat.solver.peak.step_phases``).
     outside_working_bytes: NonNegInt | None = Field(default=None,

@@ -26,8 +26,8 @@ import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
 import optiremat  # noqa: E402
+from optiremat.client.peak.step_graph import step_extraction  # noqa: E402
 from optiremat.client.step import Step, measured_peak  # noqa: E402
-from optiremat.client.step_graph import step_extraction  # noqa: E402
 from optiremat.solver.solution import InfeasibleBudgetError  # noqa: E402
 from optiremat.solver.solve import min_feasible_budget  # noqa: E402
 from tests.mesh_models import LAYOUTS, sharded_llama  # noqa: E402

@@ -24,7 +24,7 @@ from optiremat.client import (
     policy_key,
 )
 from optiremat.client._jax_internals import _version_tuple
-from optiremat.client.placement import TraceCache
+from optiremat.client.peak.placement import TraceCache
 from optiremat.solver.solution import InfeasibleBudgetError
 from optiremat.solver.solve import min_feasible_budget
 from optiremat.solver.units import parse_bytes

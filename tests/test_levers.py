@@ -11,9 +11,9 @@ import pytest
 
 import optiremat
 from optiremat.client.frontier import graph_builtin_points, lever_floors, sweep
+from optiremat.client.peak.step_graph import step_extraction
 from optiremat.client.plot import plot_frontier
 from optiremat.client.step import Step
-from optiremat.client.step_graph import step_extraction
 from optiremat.solver.graph import CostGraph
 from optiremat.solver.nesting import candidate_groups, forward_flops
 from optiremat.solver.offload import OffloadOptions

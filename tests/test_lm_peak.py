@@ -18,11 +18,11 @@ import numpy as np
 import pytest
 
 import optiremat
-from optiremat.client.placement import Placement
+from optiremat.client.peak.placement import Placement
+from optiremat.client.peak.refine import LayerMeasure
+from optiremat.client.peak.step_graph import StepExtraction, step_extraction
 from optiremat.client.policy import KeyPolicy
-from optiremat.client.refine import LayerMeasure
 from optiremat.client.step import Step, measured_peak
-from optiremat.client.step_graph import StepExtraction, step_extraction
 from optiremat.solver.baselines import builtin_offered_saves
 from optiremat.solver.peak import BudgetView
 from optiremat.solver.semantics import recompute_flops

@@ -12,8 +12,8 @@ from fractions import Fraction
 
 import pytest
 
+from optiremat.client.peak.step_graph import step_extraction
 from optiremat.client.step import Step
-from optiremat.client.step_graph import step_extraction
 from optiremat.solver.graph import CostGraph, NodeMode
 from optiremat.solver.offload import OffloadOptions, PlanTime, evaluate_offload
 from optiremat.solver.peak import BudgetView

@@ -12,11 +12,11 @@ from functools import cache
 import pytest
 
 from optiremat.client.measure import saved_residuals
-from optiremat.client.placement import Placement
+from optiremat.client.peak.placement import Placement
+from optiremat.client.peak.refine import refined_solve
+from optiremat.client.peak.step_graph import StepExtraction, step_extraction
 from optiremat.client.policy import KeyPolicy
-from optiremat.client.refine import refined_solve
 from optiremat.client.step import Step, measured_peak
-from optiremat.client.step_graph import StepExtraction, step_extraction
 from optiremat.solver.baselines import policy_saves
 from optiremat.solver.semantics import evaluate, recompute_flops
 from optiremat.solver.solve import max_useful_budget, min_feasible_budget, solve
@@ -73,7 +73,7 @@ def _measured_residual_bytes(fun, args, extracted: StepExtraction, saved: frozen
 
 
 def test_a_plan_predicts_xlas_peak_and_keeps_the_budget(model) -> None:
-    """Refined against its own working set (``client.refine``), a plan's predicted peak
+    """Refined against its own working set (``client.peak.refine``), a plan's predicted peak
     is within 5% of XLA's at the ends and the middle of the frontier, and XLA's peak
     keeps the budget at all three (bench/peak.py: within 3% on 16 points a model)."""
     m, fun, args, extracted = model

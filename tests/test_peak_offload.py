@@ -14,11 +14,11 @@ import pytest
 
 import optiremat
 from optiremat.client._jax_internals import core as jax_core
-from optiremat.client.placement import LAYER_INPUT
+from optiremat.client.peak.placement import LAYER_INPUT
+from optiremat.client.peak.step_graph import step_extraction
 from optiremat.client.plan import PlanError
 from optiremat.client.planning import check_host_memory
 from optiremat.client.step import Step
-from optiremat.client.step_graph import step_extraction
 from optiremat.solver.offload import OffloadOptions, evaluate_offload
 from optiremat.solver.solution import InfeasibleBudgetError
 from optiremat.solver.solve import min_feasible_budget

@@ -13,11 +13,11 @@ import pytest
 from jax import lax
 
 import optiremat
-from optiremat.client.placement import Placement, PlacementError
+from optiremat.client.peak.placement import Placement, PlacementError
+from optiremat.client.peak.step_graph import step_extraction
 from optiremat.client.plan import Verification
 from optiremat.client.policy import KeyPolicy
 from optiremat.client.step import Step, StepError
-from optiremat.client.step_graph import step_extraction
 from optiremat.solver.graph import CostGraph, GraphError
 from optiremat.solver.solution import InfeasibleBudgetError
 from optiremat.solver.solve import max_useful_budget, min_feasible_budget, solve

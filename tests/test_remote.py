@@ -20,10 +20,10 @@ import pytest
 import optiremat
 from optiremat.client.errors import NotFound, ProblemError, RemoteInfeasibleBudget
 from optiremat.client.frontier import sweep
-from optiremat.client.placement import Placement
+from optiremat.client.peak.placement import Placement
+from optiremat.client.peak.step_graph import step_extraction
 from optiremat.client.remote import RematClient
 from optiremat.client.step import Step, measured_peak
-from optiremat.client.step_graph import step_extraction
 from optiremat.solver.offload import OffloadOptions
 from optiremat.solver.solution import InfeasibleBudgetError
 from optiremat.solver.solve import max_useful_budget, min_feasible_budget
@@ -258,7 +258,7 @@ SMALL_MLP = {"layers": 4, "d": 128, "hidden": 512, "batch": 64}
 def test_a_client_without_ortools_plans_a_peak_budget_through_the_server(
         server: Server) -> None:
     """At dots_saveable's measured peak the answer is that built-in, priced by the
-    cost model after the solves (``client.refine``): the client runs no search."""
+    cost model after the solves (``client.peak.refine``): the client runs no search."""
     fun, args = mlp(**SMALL_MLP)
     step = Step.of(0)
     extracted = step_extraction(fun, args, step)

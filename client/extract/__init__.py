@@ -7,7 +7,7 @@ backward pass. The walk (``walker``) replays that split over the JVP'd jaxpr,
 with a rule per primitive role (``client.primitives``; the cond rule in
 ``cond``), and records, for every value, whether the backward pass reads it;
 ``known`` is the same analysis at the level of flags. A training step's graph
-(``client.step_graph``) is walked as ``jax.vjp`` differentiates it, its
+(``client.peak.step_graph``) is walked as ``jax.vjp`` differentiates it, its
 regions' checkpoints left to the solver.
 
 | module | what it holds |

@@ -29,7 +29,7 @@ from optiremat.client.extract.state import (
     primal_mode,
 )
 from optiremat.client.keys import policy_key
-from optiremat.client.placement import RegionMarker
+from optiremat.client.peak.placement import RegionMarker
 from optiremat.client.primitives import Role, body, info, unknown_body
 from optiremat.client.sharding import MeshLayout
 from optiremat.solver.graph import GraphBuilder, NodeMode
@@ -264,7 +264,7 @@ ROLE_RULES: dict[Role, WalkRule] = {
 
 
 def placed_region(body: jx.Jaxpr) -> int | None:
-    """The region a scan's body was checkpointed as by ``client.placement``, if any."""
+    """The region a scan's body was checkpointed as by ``client.peak.placement``, if any."""
     for eqn in body.eqns:
         role = info(eqn.primitive).role
         policy = eqn.params.get("policy") if role == Role.CHECKPOINT else None

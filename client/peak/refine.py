@@ -3,7 +3,7 @@
 The peak model (``optiremat.solver.peak``) is exact about what the step holds
 and what its forward pass stacks; the working sets of its phases are the
 figures it takes from measurements, made once per step under one policy
-(``client.calibration``). They move with the plan, though: on the 4-layer f32
+(``client.peak.calibration``). They move with the plan, though: on the 4-layer f32
 Llama of the scan corpus a layer's backward holds 30.4 MiB under
 ``nothing_saveable`` and 22.2 to 27.7 MiB under the plans along its frontier;
 on the CNN and the MLP some plans hold 2 MiB more; on an LM the head's phase
@@ -38,11 +38,11 @@ from typing import Protocol
 
 import jax
 
-from optiremat.client.calibration import assumed_working_bytes, working_bytes
-from optiremat.client.placement import Placement, Region
+from optiremat.client.peak.calibration import assumed_working_bytes, working_bytes
+from optiremat.client.peak.placement import Placement, Region
+from optiremat.client.peak.step_graph import StepExtraction
 from optiremat.client.policy import KeyPolicy
 from optiremat.client.step import lowered_peak
-from optiremat.client.step_graph import StepExtraction
 from optiremat.solver.baselines import builtin_offered_saves
 from optiremat.solver.graph import CostGraph
 from optiremat.solver.peak import BudgetView, priced_extra_bytes

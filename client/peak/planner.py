@@ -1,9 +1,9 @@
 """The peak planner: a plan whose compiled training step peaks within the budget.
 
 The function, traced once, is walked as the step differentiates it with a remat
-region in every differentiated ``lax.scan`` (``client.step_graph``, which also
+region in every differentiated ``lax.scan`` (``client.peak.step_graph``, which also
 calibrates each phase's working set), solved at the budget, and refined against
-the step compiled with the plan applied (``client.refine``).
+the step compiled with the plan applied (``client.peak.refine``).
 """
 
 from __future__ import annotations
@@ -12,10 +12,10 @@ from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
 from optiremat.client.extract import Traced
-from optiremat.client.placement import Placement
+from optiremat.client.peak.placement import Placement
+from optiremat.client.peak.refine import refined_solve, step_measure
+from optiremat.client.peak.step_graph import traced_step_extraction
 from optiremat.client.plan import PeakPlan, PlanError, SolveFn
-from optiremat.client.refine import refined_solve, step_measure
-from optiremat.client.step_graph import traced_step_extraction
 from optiremat.solver.solution import Solution
 
 if TYPE_CHECKING:

@@ -2,8 +2,8 @@
 
 A step's graph is a traced function's graph (``client.extract``) walked as
 ``jax.vjp`` differentiates it, with a remat region in every differentiated
-``lax.scan`` (``client.placement``) and what the step holds, each region's
-working set included (``client.calibration``), travelling with it.
+``lax.scan`` (``client.peak.placement``) and what the step holds, each region's
+working set included (``client.peak.calibration``), travelling with it.
 """
 
 from __future__ import annotations
@@ -14,10 +14,10 @@ from dataclasses import dataclass, replace
 import jax
 
 import optiremat.client._jax_internals as jx
-from optiremat.client.calibration import assumed_working_bytes, calibrate_phases
 from optiremat.client.extract.graphs import Extraction, graph_of_traced
 from optiremat.client.extract.tracing import Traced, trace
-from optiremat.client.placement import Region, RegionMarker, find_regions, place
+from optiremat.client.peak.calibration import assumed_working_bytes, calibrate_phases
+from optiremat.client.peak.placement import Region, RegionMarker, find_regions, place
 from optiremat.client.sharding import propagate
 from optiremat.client.step import Step, StepMemoryAnalysis, lowered_memory
 from optiremat.solver.graph import CostGraph
@@ -41,7 +41,7 @@ class StepExtraction:
 def step_extraction(fun: Callable, args: Sequence, step: Step, *, name: str = "",
                     name_inputs: bool = False) -> StepExtraction:
     """The cost graph of ``step`` (``jax.jit(jax.grad(fun, argnums))``) with a remat
-    region in every differentiated ``lax.scan`` (``client.placement``), and what
+    region in every differentiated ``lax.scan`` (``client.peak.placement``), and what
     the step holds and each region's working set (one compile per distinct layer).
     With ``name_inputs`` each layer's input is offered to the plan too (to offload)."""
     return traced_step_extraction(trace(fun, args, {}), args, step, name=name,
@@ -107,7 +107,7 @@ def extract_step(fun: Callable, *args, argnums: int | Sequence[int] = 0,
     holds (one compile per distinct layer measures its working set). Solving it
     plans peak budgets; ``optiremat.optimize`` is this and a solve. ``name_inputs``
     names each layer's input inside its checkpoint, so that an offload plan may move
-    the stacked inputs to host memory (``client.placement.LAYER_INPUT``)."""
+    the stacked inputs to host memory (``client.peak.placement.LAYER_INPUT``)."""
     name = getattr(fun, "__qualname__", getattr(fun, "__name__", ""))
     return step_extraction(fun, args, Step.of(argnums, donate_argnums), name=name,
                            name_inputs=name_inputs).graph

@@ -35,7 +35,7 @@ from jax import lax
 
 import optiremat.client._jax_internals as jx
 from optiremat.client.extract.state import HALF_FLOATS, widens_stacked_halves
-from optiremat.client.placement import Region
+from optiremat.client.peak.placement import Region
 from optiremat.client.policy import KeyPolicy
 from optiremat.client.sharding import Spec
 from optiremat.solver.graph import CostGraph
