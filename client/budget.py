@@ -127,7 +127,7 @@ def device_memory_bytes(device: Any = None) -> int:
     stats = device.memory_stats()
     if not stats or "bytes_limit" not in stats:
         raise BudgetError(
-            f"the {device.platform} backend reports no memory limit for {device} "
+            f"the {device.platform} platform reports no memory limit for {device} "
             f"(memory_stats() is {stats!r}), so budget='auto' cannot size the residuals. "
             "Pass device_memory='16GiB' (the memory you plan to train with) or an explicit "
             "budget such as budget='2GiB'.")

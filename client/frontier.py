@@ -1,9 +1,11 @@
 """The budget sweep: recompute FLOPs against residual memory, and JAX's built-ins beside it.
 
-``frontier`` solves locally with the budgets and Pareto marks the service's
+``sweep`` solves locally with the budgets and Pareto marks the service's
 ``POST /v1/frontier`` uses, and returns the same ``Frontier`` model that
 ``RematClient.frontier`` parses from the server, so either feeds
-``optiremat.client.plot.plot_frontier``.
+``optiremat.client.plot.plot_frontier``. The two differ in how they solve: a sweep
+warm-starts each budget from the last plan in one process; a frontier solves each
+budget as its own cached request, so a point stopped by a time limit may differ.
 """
 
 from __future__ import annotations
@@ -49,8 +51,8 @@ DEFAULT_POINTS = DEFAULT_FRONTIER_POINTS
 
 
 def sweep(graph: CostGraph, budgets: Sequence[int] | None = None,
-             count: int | None = DEFAULT_POINTS, *, also: Sequence[int] = (),
-             regions: Sequence[Region] | None = None, **options: object) -> Frontier:
+          count: int | None = DEFAULT_POINTS, *, also: Sequence[int] = (),
+          regions: Sequence[Region] | None = None, **options: object) -> Frontier:
     """Solve ``graph`` once per budget: explicit ``budgets``, or ``count`` spaced ones
     from the smallest feasible budget to the largest useful one (plus the feasible
     ones in ``also``). Each solve starts from the previous budget's plan

@@ -29,7 +29,7 @@ class StepError(OptirematError, ValueError):
 
 
 def memory_analysis(compiled: jax.stages.Compiled) -> Any:
-    """XLA's memory analysis of ``compiled``; a backend without one is an error."""
+    """XLA's memory analysis of ``compiled``; a platform without one is an error."""
     analysis = compiled.memory_analysis()
     if analysis is None:
         raise StepError(f"the {jax.default_backend()} backend reports no memory analysis, so "
@@ -71,7 +71,7 @@ MAX_REMEMBERED_PEAKS = 1024
 
 def lowered_memory(lowered: jax.stages.Lowered) -> StepMemoryAnalysis:
     """XLA's memory analysis of ``lowered`` compiled; a program this process compiled
-    already (the same StableHLO text on the same backend) is not compiled again."""
+    already (the same StableHLO text on the same platform) is not compiled again."""
     key = (jax.default_backend(), hashlib.sha256(lowered.as_text().encode()).hexdigest())
     if key in _PEAKS:
         _PEAKS.move_to_end(key)

@@ -54,11 +54,11 @@ from typing import Any
 import ortools
 
 from optiremat.solver.backends import (
+    BackendStatus,
     Goal,
     MilpBackend,
     Objective,
     RawResult,
-    SearchOutcome,
     make_backend,
 )
 from optiremat.solver.baselines import compare, greedy_saves
@@ -179,10 +179,10 @@ class Search:
             # started from that search's solution, and a request's answer stays.)
             save_all = self._plan((True,) * self.f.num_decisions)
             fewest = float(self.f.cost.cap(save_all.cost))
-            first, plan = RawResult(SearchOutcome.OPTIMAL, save_all.decisions, fewest), save_all
+            first, plan = RawResult(BackendStatus.OPTIMAL, save_all.decisions, fewest), save_all
         else:
             kind, first, plan = self._cheapest(kind, budget, start_plan)
-            if first.outcome == SearchOutcome.INFEASIBLE:
+            if first.outcome == BackendStatus.INFEASIBLE:
                 min_budget = self.min_budget()
                 if min_budget <= budget:  # a floating-point backend was wrong; ask CP-SAT
                     kind, first, plan = self._cheapest(Backend.CPSAT, budget)
@@ -190,18 +190,18 @@ class Search:
                     raise InfeasibleBudgetError(budget, min_budget)
         if plan is None:
             return self._solution(budget, kind, SolveStatus.TIMED_OUT, None, Fraction(0))
-        if first.outcome == SearchOutcome.OPTIMAL and not self._cut_proved:
+        if first.outcome == BackendStatus.OPTIMAL and not self._cut_proved:
             # Phase 2 refines a search's answer; a plan the cut's bound proved
             # before any search is answered as the cut found it.
             plan = self._leanest(kind, budget, plan, first.work)
         lower_bound = min(self._lower_bound(first.bound), plan.cost)
-        if self.f.offload is not None and first.outcome == SearchOutcome.OPTIMAL:
+        if self.f.offload is not None and first.outcome == BackendStatus.OPTIMAL:
             # The offload solve has always reported a phase 1 proven within
             # ``relative_gap`` as exact (gap 0, the plan's cost as its bound), where
             # the checkpointing solve reports the solver's bound; kept so that its
             # answers stay the same, bit for bit.
             lower_bound = plan.cost
-        proven = (first.outcome == SearchOutcome.OPTIMAL or lower_bound == plan.cost
+        proven = (first.outcome == BackendStatus.OPTIMAL or lower_bound == plan.cost
                   or self._good_enough(plan.cost))
         status = SolveStatus.OPTIMAL if proven else SolveStatus.FEASIBLE
         return self._solution(budget, kind, status, plan, lower_bound)
@@ -309,11 +309,11 @@ class Search:
         """
         if start is not None and self._good_enough(start.cost):
             self._cut_proved = True
-            proven = RawResult(SearchOutcome.OPTIMAL, start.decisions, self._scaled_cut_bound())
+            proven = RawResult(BackendStatus.OPTIMAL, start.decisions, self._scaled_cut_bound())
             return kind, proven, start
         if not self._search_fits():
             # No time for a search this size: answer with the start, bounded by the cut.
-            outcome = SearchOutcome.FEASIBLE if start is not None else SearchOutcome.NO_SOLUTION
+            outcome = BackendStatus.FEASIBLE if start is not None else BackendStatus.NO_SOLUTION
             bound = self._scaled_cut_bound()
             decisions = None if start is None else start.decisions
             return kind, RawResult(outcome, decisions, bound), start
@@ -325,10 +325,10 @@ class Search:
         kind, raw, plan = self._cheapest_search(kind, budget, start)
         if start is None or (plan is not None and plan.cost <= start.cost):
             return kind, raw, plan
-        if raw.outcome == SearchOutcome.OPTIMAL:  # proven: nothing cheaper than the start fits
+        if raw.outcome == BackendStatus.OPTIMAL:  # proven: nothing cheaper than the start fits
             scaled = float(self.f.cost.cap(start.cost))
-            return kind, RawResult(SearchOutcome.OPTIMAL, start.decisions, scaled, raw.work), start
-        return kind, RawResult(SearchOutcome.FEASIBLE, start.decisions, raw.bound, raw.work), start
+            return kind, RawResult(BackendStatus.OPTIMAL, start.decisions, scaled, raw.work), start
+        return kind, RawResult(BackendStatus.FEASIBLE, start.decisions, raw.bound, raw.work), start
 
     def _cheapest_search(
         self, kind: Backend, budget: int, start: _Plan | None
@@ -340,12 +340,12 @@ class Search:
             cost_cap = self.f.cost.cap(start.cost)
         for attempt in range(MAX_TIGHTENINGS + 1):
             if cap < 0:
-                raw = RawResult(SearchOutcome.INFEASIBLE, None, 0.0)
+                raw = RawResult(BackendStatus.INFEASIBLE, None, 0.0)
             else:
                 goal = Goal(Objective.COST, bytes_cap=cap, cost_cap=cost_cap)
                 raw = self._run(kind, goal, report=True, stop_at=self._stop_at())
             if raw.decisions is None:
-                if raw.outcome == SearchOutcome.INFEASIBLE and (attempt > 0 or start is not None):
+                if raw.outcome == BackendStatus.INFEASIBLE and (attempt > 0 or start is not None):
                     break  # infeasible only because we tightened or cut off at the start
                 return kind, raw, None
             plan = self._plan(raw.decisions, raw.offloads)
@@ -355,8 +355,8 @@ class Search:
             cap -= -(-excess // self.f.budgeted_bytes.scale)
         if start is not None:
             # Nothing below the start's cost fits: with an exact backend that proves it.
-            exact = kind == Backend.CPSAT and raw.outcome == SearchOutcome.INFEASIBLE
-            outcome = SearchOutcome.OPTIMAL if exact else SearchOutcome.FEASIBLE
+            exact = kind == Backend.CPSAT and raw.outcome == BackendStatus.INFEASIBLE
+            outcome = BackendStatus.OPTIMAL if exact else BackendStatus.FEASIBLE
             return kind, RawResult(outcome, None, raw.bound, raw.work), None
         if kind == Backend.CPSAT:
             raise AssertionError("CP-SAT returned a plan over budget; the formulation is wrong")
@@ -398,7 +398,7 @@ class Search:
         """A later phase's plan, when proven within effort capped relative to phase 1's."""
         backend = self._backend(kind)
         raw = self._run(kind, goal, work_limit=max(backend.min_work, PHASE2_WORK * phase1_work))
-        if raw.outcome != SearchOutcome.OPTIMAL or raw.decisions is None:
+        if raw.outcome != BackendStatus.OPTIMAL or raw.decisions is None:
             return None
         return self._plan(raw.decisions, raw.offloads)
 
@@ -420,7 +420,7 @@ class Search:
     ) -> RawResult:
         remaining = self.deadline - time.monotonic()
         if remaining <= 0 or (self.cancel is not None and self.cancel.is_set()):
-            return RawResult(SearchOutcome.NO_SOLUTION, None, 0.0)
+            return RawResult(BackendStatus.NO_SOLUTION, None, 0.0)
         on_incumbent = self._on_incumbent if report and self.progress is not None else None
         return self._backend(kind).minimize(
             goal,

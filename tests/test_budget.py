@@ -26,7 +26,7 @@ def test_cpu_reports_no_memory_limit_and_auto_says_what_to_do_instead() -> None:
     fun, args = mlp()
     with pytest.raises(BudgetError, match="device_memory=") as caught:
         optiremat.optimize(fun, *args, budget="auto")
-    assert "cpu backend reports no memory limit" in str(caught.value)
+    assert "cpu platform reports no memory limit" in str(caught.value)
     with pytest.raises(BudgetError):
         device_memory_bytes()
 

@@ -16,7 +16,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
-from optiremat.service.api.keys import ApiKeys, key_id
+from optiremat.service.api.api_keys import ApiKeys, key_id
 from optiremat.service.api.middleware import BodyDecodingMiddleware
 from optiremat.service.core.config import Settings
 from optiremat.service.core.errors import Unavailable

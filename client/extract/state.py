@@ -24,9 +24,9 @@ HALF_FLOATS = frozenset({"bfloat16", "float16"})
 
 
 def widens_stacked_halves() -> bool:
-    """Whether XLA on the default backend keeps an f32 copy of a half-float value a scan
-    stacks for the backward pass. Asked of XLA itself, once per backend: jax 0.10's CPU
-    backend does (it computes half floats in f32), 0.12's does not, and the peak of a
+    """Whether XLA on the default platform keeps an f32 copy of a half-float value a scan
+    stacks for the backward pass. Asked of XLA itself, once per platform: jax 0.10's CPU
+    platform does (it computes half floats in f32), 0.12's does not, and the peak of a
     bf16 step priced the wrong way runs 30-40% off (tests/test_peak.py, bf16 Llama)."""
     import jax
 
@@ -34,8 +34,8 @@ def widens_stacked_halves() -> bool:
 
 
 @functools.cache
-def _widens_stacked_halves(backend: str) -> bool:
-    """On ``backend`` (the default one, when asked): one small program's temp bytes, a
+def _widens_stacked_halves(platform: str) -> bool:
+    """On ``platform`` (the default one, when asked): one small program's temp bytes, a
     bf16 carry stacked over 16 iterations (2 MiB) for the backward pass, with or without
     an f32 copy beside it (4 MiB more)."""
     import jax

@@ -56,7 +56,7 @@ DOMINATES_BY = 4096
 
 def working_bytes(region: Region, saved_keys: frozenset[str] | None = None) -> int:
     """One iteration's backward working set of ``region``, in bytes, on the default
-    backend, as XLA holds it: under ``nothing_saveable``, or with the policy keys
+    platform, as XLA holds it: under ``nothing_saveable``, or with the policy keys
     ``saved_keys`` saved. On CPU it includes XLA's f32 copies of the region's stacked
     half-float residuals."""
     return _working_set(region, saved_keys)[0]

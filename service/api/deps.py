@@ -12,8 +12,8 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from pydantic import BaseModel, ValidationError
 
-from optiremat.service.api.keys import ApiKeys
-from optiremat.service.api.problems import ProblemError
+from optiremat.service.api.api_keys import ApiKeys
+from optiremat.service.api.problems import HTTPProblem
 from optiremat.service.core.config import Settings
 from optiremat.service.core.front import Front
 from optiremat.service.core.limits import RateLimiter
@@ -54,14 +54,14 @@ async def require_api_key(
     if not keys.enabled:
         return
     if credentials is None:
-        raise ProblemError(
+        raise HTTPProblem(
             401, "Unauthorized",
             "this server requires an API key: send the header 'Authorization: Bearer <key>'",
             headers={"WWW-Authenticate": "Bearer"},
         )
     request.state.owner = keys.owner(credentials.credentials)
     if request.state.owner is None:
-        raise ProblemError(
+        raise HTTPProblem(
             401, "Unauthorized", "the API key is not valid for this server",
             headers={"WWW-Authenticate": 'Bearer error="invalid_token"'},
         )
@@ -89,7 +89,7 @@ async def limit_rate(request: Request) -> None:
     if wait_s > 0:
         request.app.state.metrics.rejected.labels(reason="rate_limit").inc()
         retry_after = math.ceil(wait_s)
-        raise ProblemError.of(
+        raise HTTPProblem.of(
             RATE_LIMITED, 429,
             f"this client ({client}) sent more than {get_settings(request).rate_limit_per_minute}"
             " requests a minute that may start a solve (OPTIREMAT_RATE_LIMIT_PER_MINUTE; "
@@ -103,11 +103,11 @@ _CAPPED = (("node_id", "nodes", "max_graph_nodes", "OPTIREMAT_MAX_GRAPH_NODES"),
 
 
 def _too_large(what: str, count: int, settings: Settings, setting: str, variable: str,
-               at_least: bool = False) -> ProblemError | None:
+               at_least: bool = False) -> HTTPProblem | None:
     cap: int = getattr(settings, setting)
     if count <= cap:
         return None
-    return ProblemError.of(
+    return HTTPProblem.of(
         GRAPH_TOO_LARGE, 413,
         f"the graph has {'at least ' if at_least else ''}{count} {what}; this server accepts "
         f"at most {cap} ({variable})")

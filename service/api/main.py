@@ -11,8 +11,8 @@ from types import FrameType
 
 from fastapi import FastAPI
 
+from optiremat.service.api.api_keys import ApiKeys
 from optiremat.service.api.docs import install_docs
-from optiremat.service.api.keys import ApiKeys
 from optiremat.service.api.middleware import BodyDecodingMiddleware, RequestContextMiddleware
 from optiremat.service.api.openapi import install_openapi
 from optiremat.service.api.problems import install_problem_handlers

@@ -51,7 +51,7 @@ class SolveRequest(BaseModel):
 
 
 class FrontierRequest(BaseModel):
-    """A budget sweep: explicit ``budgets``, or ``count`` evenly spaced feasible ones."""
+    """A frontier's budgets: explicit ``budgets``, or ``count`` evenly spaced feasible ones."""
 
     model_config = ConfigDict(extra="forbid", json_schema_extra={"examples": [
         {"graph": _EXAMPLE_GRAPH, "count": 3},

@@ -26,7 +26,7 @@ PROBLEM_MEDIA_TYPE = "application/problem+json"
 log = logging.getLogger("optiremat.service")
 
 
-class ProblemError(Exception):
+class HTTPProblem(Exception):
     """Raise anywhere in a request to answer with this problem."""
 
     def __init__(self, status: int, title: str, detail: str, *, type: str = "about:blank",
@@ -38,7 +38,7 @@ class ProblemError(Exception):
 
     @classmethod
     def of(cls, kind: ProblemType, status: int, detail: str, *,
-           headers: dict[str, str] | None = None, **extensions: Any) -> ProblemError:
+           headers: dict[str, str] | None = None, **extensions: Any) -> HTTPProblem:
         """A problem of one of the types the service defines, with that type's title."""
         return cls(status, kind.title, detail, type=kind.uri, headers=headers, **extensions)
 
@@ -50,14 +50,14 @@ def raise_for_outcome(outcome: Outcome) -> None:
     elif isinstance(outcome, Failed):
         problem = Problem.failed(outcome.message, outcome.invalid)
     elif isinstance(outcome, Cancelled):
-        raise ProblemError.of(SOLVE_CANCELLED, 409,
+        raise HTTPProblem.of(SOLVE_CANCELLED, 409,
                               "an identical job was cancelled (DELETE /v1/jobs/{id}) while "
                               "this request waited for it; send the request again")
     elif isinstance(outcome, Interrupted):
         raise Unavailable("Shutting down", "the server is shutting down; retry shortly")
     else:
         return
-    raise ProblemError(problem.status, problem.title, problem.detail, type=problem.type,
+    raise HTTPProblem(problem.status, problem.title, problem.detail, type=problem.type,
                        min_budget_bytes=problem.min_budget_bytes)
 
 
@@ -137,7 +137,7 @@ async def _on_validation_error(request: Request, exc: RequestValidationError) ->
     )
 
 
-async def _on_problem(request: Request, exc: ProblemError) -> Response:
+async def _on_problem(request: Request, exc: HTTPProblem) -> Response:
     return problem_response(
         exc.status, exc.title, exc.detail, type=exc.type, headers=exc.headers,
         request_id=_request_id(request), instance=request.url.path, **exc.extensions,
@@ -176,7 +176,7 @@ async def _on_unexpected(request: Request, exc: Exception) -> Response:
 
 def install_problem_handlers(app: FastAPI) -> None:
     app.add_exception_handler(RequestValidationError, _on_validation_error)  # type: ignore[arg-type]
-    app.add_exception_handler(ProblemError, _on_problem)  # type: ignore[arg-type]
+    app.add_exception_handler(HTTPProblem, _on_problem)  # type: ignore[arg-type]
     app.add_exception_handler(Unavailable, _on_unavailable)  # type: ignore[arg-type]
     app.add_exception_handler(StarletteHTTPException, _on_http_error)  # type: ignore[arg-type]
     app.add_exception_handler(Exception, _on_unexpected)
@@ -184,7 +184,7 @@ def install_problem_handlers(app: FastAPI) -> None:
 
 __all__ = [
     "PROBLEM_MEDIA_TYPE",
-    "ProblemError",
+    "HTTPProblem",
     "install_problem_handlers",
     "problem_body",
     "problem_response",

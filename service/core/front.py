@@ -1,5 +1,5 @@
 """The front of the run layer: request hashes, the body memo, the cache, single-flight,
-job views and the frontier sweep, the same over either executor.
+job views and the frontier (one cached solve per budget), the same over either executor.
 
 Every solver call is identified by a request hash (``tasks``). A call goes: this
 process's flights (an identical call already waited on here: join it) -> the store
@@ -237,7 +237,7 @@ class Front:
 
     async def frontier(self, graph: CostGraph, budgets: list[int] | None, count: int | None,
                        options: SolveOptions) -> Frontier | Outcome:
-        """The sweep, or the outcome that stopped it (cancelled, interrupted, failed).
+        """The frontier, or the outcome that stopped it (cancelled, interrupted, failed).
 
         Each point is one ``solve``, so it is cached and single-flight like
         ``POST /v1/solve``.

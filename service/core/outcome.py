@@ -39,7 +39,7 @@ class Infeasible(_Outcome):
 
 
 class BudgetRange(_Outcome):
-    """The budgets worth sweeping: the smallest feasible and the largest useful one."""
+    """The ends of a frontier's budgets: the smallest feasible and the largest useful one."""
 
     type: Literal["budget_range"] = "budget_range"
     min_feasible_budget: int

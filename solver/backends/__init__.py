@@ -8,18 +8,18 @@ never uses SCIP never loads it.
 from __future__ import annotations
 
 from optiremat.solver.backends.interface import (
+    BackendStatus,
     Goal,
     IncumbentCallback,
     MilpBackend,
     Objective,
     RawResult,
-    SearchOutcome,
     stop_when_set,
 )
 from optiremat.solver.formulation import Formulation
 from optiremat.solver.solution import Backend
 
-__all__ = ["Goal", "IncumbentCallback", "MilpBackend", "Objective", "RawResult", "SearchOutcome",
+__all__ = ["Goal", "IncumbentCallback", "MilpBackend", "Objective", "RawResult", "BackendStatus",
            "make_backend", "stop_when_set"]
 
 

@@ -21,11 +21,11 @@ import time
 from ortools.sat.python import cp_model
 
 from optiremat.solver.backends.interface import (
+    BackendStatus,
     Goal,
     IncumbentCallback,
     Objective,
     RawResult,
-    SearchOutcome,
     stop_when_set,
 )
 from optiremat.solver.formulation import Formulation, ScaledSum
@@ -145,12 +145,12 @@ class CpSatBackend:
             raise RuntimeError(f"CP-SAT rejected the model: {model.validate()}")
         work = solver.deterministic_time
         if status == cp_model.INFEASIBLE:
-            return RawResult(SearchOutcome.INFEASIBLE, None, 0.0, work)
+            return RawResult(BackendStatus.INFEASIBLE, None, 0.0, work)
         if status not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
-            return RawResult(SearchOutcome.NO_SOLUTION, None, solver.best_objective_bound, work)
+            return RawResult(BackendStatus.NO_SOLUTION, None, solver.best_objective_bound, work)
         self._last = list(solver.response_proto.solution)
         decisions = tuple(bool(v) for v in self._last[: self._f.num_decisions])
-        outcome = SearchOutcome.OPTIMAL if status == cp_model.OPTIMAL else SearchOutcome.FEASIBLE
+        outcome = BackendStatus.OPTIMAL if status == cp_model.OPTIMAL else BackendStatus.FEASIBLE
         return RawResult(outcome, decisions, solver.best_objective_bound, work,
                          self._f.offloads(self._last))
 

@@ -30,7 +30,7 @@ class Objective(StrEnum):
     HOST = "host"  # the offload layer's host bytes (CP-SAT only)
 
 
-class SearchOutcome(StrEnum):
+class BackendStatus(StrEnum):
     OPTIMAL = "optimal"  # proven within the requested relative gap
     FEASIBLE = "feasible"  # stopped (time limit, cancel) with a solution
     INFEASIBLE = "infeasible"
@@ -48,7 +48,7 @@ class Goal:
 
 @dataclass(frozen=True)
 class RawResult:
-    outcome: SearchOutcome
+    outcome: BackendStatus
     decisions: tuple[bool, ...] | None  # one per formulation decision, None without a solution
     bound: float  # best proven bound on the scaled objective (0 when nothing is known)
     work: float = 0.0  # deterministic effort spent, in the backend's own unit

@@ -18,11 +18,11 @@ import time
 from ortools.linear_solver import pywraplp
 
 from optiremat.solver.backends.interface import (
+    BackendStatus,
     Goal,
     IncumbentCallback,
     Objective,
     RawResult,
-    SearchOutcome,
     stop_when_set,
 )
 from optiremat.solver.formulation import Formulation
@@ -120,13 +120,13 @@ class ScipBackend:
 
         work = float(solver.nodes())
         if status == pywraplp.Solver.INFEASIBLE:
-            return RawResult(SearchOutcome.INFEASIBLE, None, 0.0, work)
+            return RawResult(BackendStatus.INFEASIBLE, None, 0.0, work)
         bound = objective.BestBound()
         bound = bound if math.isfinite(bound) else 0.0
         if status not in (pywraplp.Solver.OPTIMAL, pywraplp.Solver.FEASIBLE):
-            return RawResult(SearchOutcome.NO_SOLUTION, None, bound, work)
+            return RawResult(BackendStatus.NO_SOLUTION, None, bound, work)
         self._last = [var.solution_value() for var in x]
         decisions = tuple(value > 0.5 for value in self._last[: self._f.num_decisions])
         optimal = status == pywraplp.Solver.OPTIMAL
-        outcome = SearchOutcome.OPTIMAL if optimal else SearchOutcome.FEASIBLE
+        outcome = BackendStatus.OPTIMAL if optimal else BackendStatus.FEASIBLE
         return RawResult(outcome, decisions, bound, work)

@@ -25,7 +25,7 @@ router = APIRouter(prefix="/v1", tags=["frontier"], dependencies=[Depends(requir
     "/frontier",
     response_model=Frontier,
     responses=problem_responses(400, 401, 409, 413, 415, 422, 429, 500, 503),
-    summary="BudgetSeries budgets and return the trade-off curve",
+    summary="Solve once per budget and return the trade-off curve",
     openapi_extra=request_body(FrontierRequest),
     dependencies=[Depends(limit_rate)],
 )

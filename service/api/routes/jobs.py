@@ -18,7 +18,7 @@ from optiremat.service.api.deps import (
     require_api_key,
 )
 from optiremat.service.api.models import SolveRequest
-from optiremat.service.api.problems import ProblemError, problem_responses
+from optiremat.service.api.problems import HTTPProblem, problem_responses
 from optiremat.solver.wire import INVALID_REQUEST, Job, JobPage, JobStatus
 
 router = APIRouter(prefix="/v1/jobs", tags=["jobs"], dependencies=[Depends(require_api_key)])
@@ -27,8 +27,8 @@ router = APIRouter(prefix="/v1/jobs", tags=["jobs"], dependencies=[Depends(requi
 MAX_PAGE = 100
 
 
-def _not_found(job_id: str) -> ProblemError:
-    return ProblemError(404, "Not found",
+def _not_found(job_id: str) -> HTTPProblem:
+    return HTTPProblem(404, "Not found",
                         f"no job {job_id!r}: job ids come from POST /v1/jobs, and a finished "
                         "job left unused is dropped in time (submit the request again)")
 
@@ -82,7 +82,7 @@ async def list_jobs(
     try:
         return await front.list_jobs(request.state.owner, status, limit, cursor)
     except ValueError as exc:
-        raise ProblemError.of(INVALID_REQUEST, 422, f"cursor: {exc}") from exc
+        raise HTTPProblem.of(INVALID_REQUEST, 422, f"cursor: {exc}") from exc
 
 
 @router.get(
