@@ -307,7 +307,7 @@ def eight_billion() -> None:
     """Time to plan 8B-shaped steps from shapes: the stack alone, and with an embedding
     and an LM head over 128k tokens, every compile counted."""
     from optiremat import optimize
-    from optiremat.client import calibration
+    from optiremat.client.peak import calibration
 
     stack = llama(layers=32, d=4096, ffn=14336, heads=32, kv_heads=8, batch=1, seq=8192,
                   dtype=jnp.bfloat16, abstract=True)
