@@ -27,7 +27,7 @@ import numpy as np  # noqa: E402
 
 import optiremat  # noqa: E402
 from optiremat.client.peak.step_graph import step_extraction  # noqa: E402
-from optiremat.client.step import Step, measured_peak  # noqa: E402
+from optiremat.client.step import Step, lowered_peak  # noqa: E402
 from optiremat.solver.solution import InfeasibleBudgetError  # noqa: E402
 from optiremat.solver.solve import min_feasible_budget  # noqa: E402
 from tests.mesh_models import LAYOUTS, sharded_llama  # noqa: E402
@@ -50,7 +50,7 @@ def same_gradients(fun: Any, plan: optiremat.Plan, args: tuple) -> bool:
 def check(layout: str, constrained: bool) -> dict:
     model = sharded_llama(layout, constrained, **SIZES)
     fun, args = model.loss, model.args
-    no_remat = measured_peak(Step.of(0).function(fun).lower(*args).compile())
+    no_remat = lowered_peak(Step.of(0).function(fun).lower(*args))
     graph = step_extraction(fun, args, Step.of(0)).graph
     low = min_feasible_budget(graph)
     plans = []

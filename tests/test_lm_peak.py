@@ -22,7 +22,7 @@ from optiremat.client.peak.placement import Placement
 from optiremat.client.peak.refine import LayerMeasure
 from optiremat.client.peak.step_graph import StepExtraction, step_extraction
 from optiremat.client.policy import KeyPolicy
-from optiremat.client.step import Step, measured_peak
+from optiremat.client.step import Step, lowered_peak
 from optiremat.solver.baselines import builtin_offered_saves
 from optiremat.solver.peak import BudgetView
 from optiremat.solver.semantics import recompute_flops
@@ -47,7 +47,7 @@ def _model(which: str) -> tuple[object, tuple, StepExtraction]:
 
 
 def _peak(fun, args) -> int:
-    return measured_peak(STEP.function(fun).lower(*args).compile())
+    return lowered_peak(STEP.function(fun).lower(*args))
 
 
 @cache

@@ -16,7 +16,7 @@ from optiremat.client.peak.placement import Placement
 from optiremat.client.peak.refine import refined_solve
 from optiremat.client.peak.step_graph import StepExtraction, step_extraction
 from optiremat.client.policy import KeyPolicy
-from optiremat.client.step import Step, measured_peak
+from optiremat.client.step import Step, lowered_peak
 from optiremat.solver.baselines import policy_saves
 from optiremat.solver.semantics import evaluate, recompute_flops
 from optiremat.solver.solve import max_useful_budget, min_feasible_budget, solve
@@ -82,9 +82,8 @@ def test_a_plan_predicts_xlas_peak_and_keeps_the_budget(model) -> None:
     for budget in (low, (low + high) // 2, high):
         sol = refined_solve(g, extracted.regions, budget,
                             lambda b: solve(g, b))
-        measured = measured_peak(STEP.function(
-            _applied(fun, extracted, frozenset(sol.saved_keys), sol.groups)).lower(*args)
-            .compile())
+        measured = lowered_peak(STEP.function(
+            _applied(fun, extracted, frozenset(sol.saved_keys), sol.groups)).lower(*args))
         assert sol.peak_bytes <= budget
         assert abs(sol.peak_bytes - measured) <= 0.05 * measured, \
             f"{m.name} at {budget}: predicted {sol.peak_bytes}, measured {measured}"
@@ -102,9 +101,8 @@ def test_refining_corrects_the_working_set_the_calibration_assumed() -> None:
     first = solve(g, budget)
     refined = refined_solve(g, extracted.regions, budget,
                             lambda b: solve(g, b))
-    measured = measured_peak(STEP.function(
-        _applied(fun, extracted, frozenset(refined.saved_keys), refined.groups)).lower(*args)
-        .compile())
+    measured = lowered_peak(STEP.function(
+        _applied(fun, extracted, frozenset(refined.saved_keys), refined.groups)).lower(*args))
     assert refined.working_bytes is not None and refined.working_bytes < g.step.working_bytes
     assert abs(refined.peak_bytes - measured) <= 0.02 * measured
     assert refined.peak_bytes <= budget and measured <= budget
@@ -119,13 +117,12 @@ def test_at_a_builtins_measured_peak_the_plan_recomputes_no_more() -> None:
     g = extracted.graph
     saves = policy_saves(g)["dots_saveable"]
     keys = frozenset(k for k, s in zip(g.node_key, saves, strict=True) if s and k)
-    peak = measured_peak(STEP.function(_applied(fun, extracted, keys)).lower(*args).compile())
+    peak = lowered_peak(STEP.function(_applied(fun, extracted, keys)).lower(*args))
     budget = int(peak * 1.001)  # refined predictions run over XLA's by up to 0.5%
     plan = refined_solve(g, extracted.regions, budget, lambda b: solve(g, b))
     assert plan.recompute_flops <= recompute_flops(g, saves)
-    measured = measured_peak(STEP.function(
-        _applied(fun, extracted, frozenset(plan.saved_keys), plan.groups)).lower(*args)
-        .compile())
+    measured = lowered_peak(STEP.function(
+        _applied(fun, extracted, frozenset(plan.saved_keys), plan.groups)).lower(*args))
     assert measured <= plan.peak_bytes <= budget
 
 def test_the_builtins_per_layer_are_priced_within_ten_percent_of_xla() -> None:
@@ -138,8 +135,7 @@ def test_the_builtins_per_layer_are_priced_within_ten_percent_of_xla() -> None:
     points = graph_builtin_points(g)
     for name, saves in policy_saves(g).items():
         keys = frozenset(k for k, s in zip(g.node_key, saves, strict=True) if s and k)
-        measured = measured_peak(STEP.function(_applied(fun, extracted, keys))
-                                 .lower(*args).compile())
+        measured = lowered_peak(STEP.function(_applied(fun, extracted, keys)).lower(*args))
         assert abs(points[name].peak_bytes - measured) <= 0.10 * measured, name
 
 
@@ -161,13 +157,11 @@ def test_a_sweep_with_the_steps_regions_predicts_xlas_peaks() -> None:
         plan = refined_solve(g, extracted.regions, budget, lambda b: solve(g, b))
         assert (plan.peak_bytes, plan.recompute_flops) == (point.peak_bytes,
                                                            point.recompute_flops)
-        measured = measured_peak(STEP.function(
-            _applied(fun, extracted, frozenset(plan.saved_keys), plan.groups)).lower(*args)
-            .compile())
+        measured = lowered_peak(STEP.function(
+            _applied(fun, extracted, frozenset(plan.saved_keys), plan.groups)).lower(*args))
         assert measured <= point.peak_bytes <= 1.005 * measured
     for name, point in graph_builtin_points(g, extracted.regions).items():
         saves = policy_saves(g)[name]
         keys = frozenset(k for k, s in zip(g.node_key, saves, strict=True) if s and k)
-        measured = measured_peak(STEP.function(_applied(fun, extracted, keys))
-                                 .lower(*args).compile())
+        measured = lowered_peak(STEP.function(_applied(fun, extracted, keys)).lower(*args))
         assert measured <= point.peak_bytes <= 1.005 * measured, name

@@ -17,11 +17,12 @@ from optiremat.client.peak.placement import Placement, PlacementError
 from optiremat.client.peak.step_graph import step_extraction
 from optiremat.client.plan import Verification
 from optiremat.client.policy import KeyPolicy
-from optiremat.client.step import Step, StepError
+from optiremat.client.step import Step, StepError, compiled_for_memory
 from optiremat.solver.graph import CostGraph, GraphError
 from optiremat.solver.solution import InfeasibleBudgetError
 from optiremat.solver.solve import max_useful_budget, min_feasible_budget, solve
-from tests.peak_models import CORPUS, llama
+from tests.lm_models import lm
+from tests.peak_models import CORPUS, cnn, llama, vit
 
 # Among the suite's longest: handed out first (tests/conftest.py).
 pytestmark = pytest.mark.slow
@@ -212,3 +213,19 @@ def test_verify_warns_when_the_peak_is_off_by_more_than_a_tenth_either_way(
         assert check.warning == ""
     else:
         assert says in check.warning and f"{measured}.00 MiB" in check.warning
+
+
+@pytest.mark.parametrize("build", [
+    lambda: llama(layers=2, dtype=jnp.bfloat16), lambda: vit(layers=2), lambda: cnn(layers=2),
+    lambda: lm(layers=2, vocab=1024, dtype=jnp.bfloat16)], ids=["llama_bf16", "vit", "cnn", "lm"])
+def test_a_program_compiled_for_its_memory_holds_what_the_default_compile_holds(build) -> None:
+    """Measurement compiles skip the code generator's optimisation (client.step): XLA's
+    memory analysis is the same to the byte (bench/peak.py compares every corpus model)."""
+    fun, args = build()
+    remat = jax.checkpoint(fun, policy=jax.checkpoint_policies.nothing_saveable)
+    lowered = STEP.function(remat).lower(*args)
+    fast, default = compiled_for_memory(lowered).memory_analysis(), lowered.compile(
+        ).memory_analysis()
+    for field in ("argument", "output", "temp", "alias"):
+        attr = f"{field}_size_in_bytes"
+        assert getattr(fast, attr) == getattr(default, attr), field

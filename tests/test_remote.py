@@ -23,7 +23,7 @@ from optiremat.client.frontier import sweep
 from optiremat.client.peak.placement import Placement
 from optiremat.client.peak.step_graph import step_extraction
 from optiremat.client.remote import RematClient
-from optiremat.client.step import Step, measured_peak
+from optiremat.client.step import Step, lowered_peak
 from optiremat.solver.offload import OffloadOptions
 from optiremat.solver.solution import InfeasibleBudgetError
 from optiremat.solver.solve import max_useful_budget, min_feasible_budget
@@ -264,7 +264,7 @@ def test_a_client_without_ortools_plans_a_peak_budget_through_the_server(
     extracted = step_extraction(fun, args, step)
     placement = Placement(extracted.regions, extracted.differentiated, step)
     applied = placement.apply(fun, jax.checkpoint_policies.dots_saveable)
-    budget = measured_peak(step.function(applied).lower(*args).compile())
+    budget = lowered_peak(step.function(applied).lower(*args))
     local = optiremat.optimize(fun, *args, budget=budget, time_limit_s=20.0)
     assert local.solution.status == "feasible" and local.solution.gap == 1.0  # the built-in
 

@@ -48,9 +48,11 @@ def _widens_stacked_halves(platform: str) -> bool:
         y, _ = lax.scan(lambda c, _: (jnp.sin(c), None), x, None, length=length)
         return jnp.sum(y.astype(jnp.float32))
 
+    from optiremat.client.step import compiled_for_memory
+
     stacked = length * size * 2
-    compiled = jax.jit(jax.grad(program)).lower(
-        jax.ShapeDtypeStruct((size,), jnp.bfloat16)).compile()
+    compiled = compiled_for_memory(jax.jit(jax.grad(program)).lower(
+        jax.ShapeDtypeStruct((size,), jnp.bfloat16)))
     analysis = compiled.memory_analysis()
     return analysis is not None and analysis.temp_size_in_bytes >= 2 * stacked
 

@@ -81,11 +81,11 @@ def _working_set(region: Region, saved_keys: frozenset[str] | None) -> tuple[int
 def _measure(region: Region, saved_keys: frozenset[str] | None) -> tuple[int, int]:
     """The working set XLA holds, and the widened copies within it the graph prices."""
     from optiremat.client.extract import graph_of_traced, trace
-    from optiremat.client.step import memory_analysis
+    from optiremat.client.step import compiled_for_memory, memory_analysis
     from optiremat.solver.step import StepMemory
 
     program, args, flags = _calibration_program(region, saved_keys)
-    compiled = jax.jit(jax.grad(program)).lower(*args).compile()
+    compiled = compiled_for_memory(jax.jit(jax.grad(program)).lower(*args))
     temp = memory_analysis(compiled).temp_size_in_bytes
     # Extracted as a step's graph is (``step_memory`` given), so that it prices the same
     # widened copies of stacked half floats.
