@@ -105,3 +105,17 @@ def test_the_strict_override_applies_to_the_solver_under_its_installed_name(
         result = build.build([BuildSource(str(probe), module, None)], options)
         assert len([m for m in result.errors if "missing a type annotation" in m]) == errors, (
             module, result.errors)
+
+
+def test_only_what_solves_installs_or_tools() -> None:
+    """The base install and the `remote` client (a training host planning through a server)
+    go without OR-Tools; the local client and the service solve, so they have it."""
+    project = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
+    extras = project["optional-dependencies"]
+
+    def solves(requirements: list[str]) -> bool:
+        return any(r.partition(">")[0].strip() == "ortools" for r in requirements)
+
+    assert not solves(project["dependencies"]) and not solves(extras["remote"])
+    assert solves(extras["client"]) and solves(extras["service"])
+    assert set(extras["remote"]) < set(extras["client"])
