@@ -26,6 +26,7 @@ from optiremat.client.plan import (
     names_form,
 )
 from optiremat.client.step import Step
+from optiremat.solver.graph import CostGraph
 from optiremat.solver.solve import solve
 from optiremat.solver.step import Memory
 
@@ -53,7 +54,9 @@ class PlanRequest:
     def offload(self) -> bool:
         return self.options.get("offload") is not None
 
-    def budget_bytes(self, traced: Traced, graph: Any = None) -> int:
+    def budget_bytes(self, traced: Traced, graph: CostGraph | None = None) -> int:
+        """The budget in bytes (``"auto"`` sized for ``traced``; a residual budget's
+        ``"auto"`` also reads ``graph``)."""
         return resolve_budget(self.budget, traced, graph, self.auto, self.step, self.memory)
 
 

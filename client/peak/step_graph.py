@@ -17,7 +17,13 @@ import optiremat.client._jax_internals as jx
 from optiremat.client.extract.graphs import Extraction, graph_of_traced
 from optiremat.client.extract.tracing import Traced, trace
 from optiremat.client.peak.calibration import assumed_working_bytes, calibrate_phases
-from optiremat.client.peak.placement import Region, RegionMarker, find_regions, place
+from optiremat.client.peak.placement import (
+    Placement,
+    Region,
+    RegionMarker,
+    find_regions,
+    place,
+)
 from optiremat.client.sharding import propagate
 from optiremat.client.step import Step, StepMemoryAnalysis, lowered_memory
 from optiremat.solver.graph import CostGraph
@@ -69,12 +75,12 @@ def traced_step_extraction(traced: Traced, args: Sequence, step: Step, *, name: 
     def marked(*leaves):
         return place(closed, leaves, regions, markers, flags, name_inputs=name_inputs)
 
+    every_layer = Placement(regions, tuple(flags), step)
+
     def step_memory(policy) -> StepMemoryAnalysis:
         """XLA's memory analysis of the step with every region under ``policy``."""
         def placed(*args):
-            out = place(closed, jax.tree_util.tree_leaves(args), regions,
-                        [policy] * len(regions), flags)
-            return jax.tree_util.tree_unflatten(traced.out_tree, out)
+            return every_layer.evaluate(traced, jax.tree_util.tree_leaves(args), policy)
         return lowered_memory(step.function(placed).lower(*args))
 
     if traced.layout is None:
