@@ -36,6 +36,10 @@ def explain_plan(graph: CostGraph, solution: Solution, top: int | None = 20) -> 
         lines.append(f"offloaded to host memory: {format_bytes(sol.host_bytes)}; estimated "
                      f"{sol.offload.estimated_seconds * 1e3:.3f} ms added to the step by "
                      "recomputation and the transfers its compute does not hide")
+    if sol.collective_bytes is not None:
+        lines.append(f"collectives its recomputation repeats: {format_bytes(sol.collective_bytes)} "
+                     f"per device over the interconnect (priced at "
+                     f"{sol.options.interconnect_bandwidth:.3g} B/s; the lower bound counts them)")
     if sol.peak_bytes is not None:
         lines += ["", *peak_breakdown(graph, sol, evaluation), "", *lever_breakdown(graph, sol)]
     lines += ["", *_residual_table(graph, sol, evaluation, top)]

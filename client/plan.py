@@ -221,6 +221,12 @@ class Plan:
         return self.solution.recompute_flops
 
     @property
+    def collective_bytes(self) -> int:
+        """Bytes per device the plan's recomputation moves over the interconnect (on a
+        mesh: the all-reduces and gathers its recomputed equations repeat)."""
+        return self.solution.collective_bytes or 0
+
+    @property
     def lower_bound_flops(self) -> int:
         return self.solution.lower_bound_flops
 

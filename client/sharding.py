@@ -322,3 +322,53 @@ def propagate(jaxpr: jx.Jaxpr, specs: Sequence[Spec | None], sizes: dict[str, in
         assert outs is not None
         env.update((v, s) for v, s in zip(eqn.outvars, outs, strict=True))
     return [read(x) for x in jaxpr.outvars], env
+
+
+# ---- collectives ---------------------------------------------------------------------
+
+# Equations that move a value without changing its elements: when one device's block
+# of the output is larger than of the input, the split was lost and XLA gathers it.
+_RELAYOUTS = frozenset({"reshape", "transpose", "sharding_constraint", "convert_element_type",
+                        "copy", "copy_p", "squeeze", "expand_dims"})
+
+
+def collective_bytes(eqn: Any, specs: dict, layout: MeshLayout) -> int:
+    """The bytes one device moves over the interconnect when ``eqn`` runs once, as SPMD
+    partitioning lowers it under the propagated ``specs``.
+
+    Two kinds, each of which a recomputation repeats: the all-reduce of partial sums
+    (a ``dot_general`` contracting a dimension both operands split on the same axes,
+    a reduction over a split dimension), a ring's ``2 (k - 1) / k`` times one device's
+    block of the result; and the gather of a value whose split an equation that only
+    moves elements cannot keep, the blocks it receives. A gather of a dot's operand is
+    not counted: the gradient reads that operand too and XLA gathers it once for both
+    (``solver.collectives``)."""
+    def spec(x: Any) -> Spec | None:
+        return None if isinstance(x, jx.Literal) else specs.get(x)
+
+    name = eqn.primitive.name
+    sizes = layout.sizes
+    if not eqn.outvars:
+        return 0
+    out = eqn.outvars[0]
+    split: set[str] = set()
+    if name == "dot_general":
+        (lc, rc), _ = eqn.params["dimension_numbers"]
+        lhs, rhs = spec(eqn.invars[0]) or (), spec(eqn.invars[1]) or ()
+        for i, j in zip(lc, rc, strict=True):
+            if lhs and rhs and lhs[i] and lhs[i] == rhs[j]:
+                split.update(lhs[i])
+    elif name in REDUCTIONS:
+        first = spec(eqn.invars[0]) or ()
+        for d in eqn.params.get("axes", ()):
+            if first and d < len(first):
+                split.update(first[d])
+    elif name in _RELAYOUTS and not isinstance(eqn.invars[0], jx.Literal):
+        held = math.prod(layout.shard_shape(_shape(eqn.invars[0]), spec(eqn.invars[0])))
+        wanted = math.prod(layout.shard_shape(_shape(out), spec(out)))
+        block = layout.shard_bytes(out.aval, spec(out))
+        return block * (wanted - held) // wanted if wanted > held else 0
+    if not split:
+        return 0
+    k = math.prod(sizes[a] for a in split)
+    return 2 * (k - 1) * layout.shard_bytes(out.aval, spec(out)) // k

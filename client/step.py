@@ -21,6 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from optiremat.client.cost_model import aval_bytes
+from optiremat.client.hlo_collectives import collectives
 from optiremat.solver.errors import OptirematError
 
 
@@ -60,12 +61,18 @@ class StepMemoryAnalysis:
     output_bytes: int
     temp_bytes: int
     alias_bytes: int
+    # On a mesh, what one device moves in the program's collectives (``hlo_collectives``):
+    # read from the same compile, so that a plan's step is compiled once for both.
+    collective_bytes: int = 0
 
     @classmethod
     def of(cls, compiled: jax.stages.Compiled) -> StepMemoryAnalysis:
         m = memory_analysis(compiled)
+        devices = max((len(s.device_set) for s in jax.tree.leaves(compiled.input_shardings)),
+                      default=1)
+        moved = collectives(compiled, devices).bytes if devices > 1 else 0
         return cls(m.argument_size_in_bytes, m.output_size_in_bytes, m.temp_size_in_bytes,
-                   m.alias_size_in_bytes)
+                   m.alias_size_in_bytes, moved)
 
     @property
     def peak_bytes(self) -> int:

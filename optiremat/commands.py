@@ -120,6 +120,10 @@ def _solver_options(parser: argparse.ArgumentParser) -> None:
                        help="stop within this relative gap of optimal (default: 0)")
     group.add_argument("--untied", action="store_true",
                        help="decide equations one by one (names form only; see docs/api.md)")
+    group.add_argument("--interconnect-bandwidth", type=_rate, metavar="BYTES/S",
+                       help="on a graph of a step on a device mesh, what one device moves "
+                            "in a collective: it prices the collectives a recomputed "
+                            "equation repeats (default: 1e11)")
     offload = parser.add_argument_group(
         "offload", "keep residuals in host memory; on a step's graph the plan (and each "
         "frontier point) is the best of recomputation per layer, nested groups and offload "
@@ -144,7 +148,8 @@ SIZE_OPTIONS = ("--budget", "--host-budget")
 # The solver option each flag sets, for errors that name a field.
 FLAG_OF = {"time_limit_s": "--time-limit", "relative_gap": "--gap",
            "host_budget_bytes": "--host-budget", "host_bandwidth": "--host-bandwidth",
-           "device_flop_rate": "--flop-rate"}
+           "device_flop_rate": "--flop-rate",
+           "interconnect_bandwidth": "--interconnect-bandwidth"}
 
 
 def _size(text: str, what: str, positive: bool) -> int:
@@ -189,6 +194,8 @@ def _options(args: argparse.Namespace) -> dict[str, Any]:
         options["time_limit_s"] = args.time_limit
     if args.gap is not None:
         options["relative_gap"] = args.gap
+    if args.interconnect_bandwidth is not None:
+        options["interconnect_bandwidth"] = args.interconnect_bandwidth
     offload: dict[str, int] = {}
     if args.host_budget is not None:
         offload["host_budget_bytes"] = args.host_budget

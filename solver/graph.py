@@ -134,6 +134,13 @@ class CostGraph(BaseModel):
     )
     # Version 3: the device mesh of the step; value and held bytes are then per device.
     mesh: DeviceMesh | None = Field(default=None, exclude_if=lambda v: v is None)
+    # Version 3: per node, the bytes one device moves over the interconnect each time
+    # the node is recomputed, its runs over a scan's length included (the all-reduce of a
+    # dot's partial sums, a gather that rebuilds a split value; ``solver.collectives``).
+    # Left out of the JSON when no node moves any.
+    node_collective_bytes: list[NonNegInt] | None = Field(
+        default=None, exclude_if=lambda v: v is None
+    )
 
     @model_validator(mode="before")
     @classmethod
@@ -260,6 +267,7 @@ class GraphBuilder:
         source: str = "",
         batch_dims: int | None = None,
         region: int | None = None,
+        collective_bytes: int = 0,
     ) -> int:
         self.nodes.append(
             dict(
@@ -273,6 +281,7 @@ class GraphBuilder:
                 source=source,
                 batch_dims=batch_dims,
                 region=region,
+                collective_bytes=int(collective_bytes),
             )
         )
         return len(self.nodes) - 1
@@ -318,4 +327,8 @@ class GraphBuilder:
             ),
             value_extra_bytes=list(self.extra_bytes) if any(self.extra_bytes) else None,
             value_region=list(self.value_regions) if self.step is not None else None,
+            node_collective_bytes=(
+                [n["collective_bytes"] for n in self.nodes]
+                if any(n["collective_bytes"] for n in self.nodes) else None
+            ),
         )

@@ -13,6 +13,12 @@ from optiremat.solver.baselines import BaselineResult
 from optiremat.solver.errors import OptirematError
 from optiremat.solver.offload import OffloadOptions, OffloadReport
 from optiremat.solver.step import Memory
+from optiremat.solver.validation import INT_BOUND
+
+# What one accelerator moves to the others of its mesh in a collective, in practice
+# (NVLink and TPU ICI links run at hundreds of GB/s nominal; ring collectives over
+# several hops see about this much bus bandwidth per device): an order of magnitude.
+DEFAULT_INTERCONNECT_BANDWIDTH = 100_000_000_000  # bytes/s
 
 # progress(incumbent, bound, elapsed_s), called by a search as it finds plans: the cost in
 # recompute FLOPs (with offload, FLOP-equivalents rounded down).
@@ -80,6 +86,11 @@ class SolveOptions(BaseModel):
     # Peak budgets: let the plan nest a region's layers in rematerialised groups
     # (``solver.nesting``) when that costs fewer FLOPs than a checkpoint per layer.
     nest: bool = Field(default=True, exclude_if=lambda v: v is True)
+    # Graphs of a step on a mesh: the bytes per second one device moves in a collective,
+    # which prices what a recomputed node moves (``optiremat.solver.collectives``).
+    interconnect_bandwidth: StrictInt = Field(
+        default=DEFAULT_INTERCONNECT_BANDWIDTH, gt=0, lt=INT_BOUND,
+        exclude_if=lambda v: v == DEFAULT_INTERCONNECT_BANDWIDTH)
 
 
 class Solution(BaseModel):
@@ -125,6 +136,11 @@ class Solution(BaseModel):
     # groups (1: a checkpoint per layer). ``recompute_flops`` then counts the groups'
     # second forward pass.
     groups: list[StrictInt] | None = Field(default=None, exclude_if=lambda v: v is None)
+    # On a graph whose nodes move bytes between devices (``node_collective_bytes``): the
+    # bytes per device the plan's recomputation adds on the interconnect. The search
+    # minimises recompute FLOPs plus these at ``options.interconnect_bandwidth``, so
+    # ``lower_bound_flops`` and ``gap`` are then on that sum (``solver.collectives``).
+    collective_bytes: StrictInt | None = Field(default=None, exclude_if=lambda v: v is None)
 
     @property
     def host_bytes(self) -> int:

@@ -15,6 +15,7 @@ import time
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
+import optiremat.solver.collectives as collectives
 from optiremat.solver.graph import CostGraph
 from optiremat.solver.nesting import choose_groups, lever_options, min_budget_over_groups, nests
 from optiremat.solver.offload import OffloadOptions
@@ -56,6 +57,9 @@ def solve(
     options = resolve_options(options, overrides)
     check_budget(budget_bytes)
     options = canonical_options(graph, options)
+    if (link_priced := collectives.priced(graph, options)) is not graph:
+        return collectives.report(graph, solve(link_priced, budget_bytes, options,
+                                               progress=progress, cancel=cancel, groups=groups))
     if groups is None and nests(graph, resolve_memory(graph, options.memory), options):
         return choose_groups(graph, budget_bytes, options, lambda g: solve(
             graph, budget_bytes, lever_options(options, g), progress=progress, cancel=cancel,
@@ -100,8 +104,9 @@ class BudgetSeries:
         self, graph: CostGraph, options: SolveOptions, cancel: threading.Event | None = None,
         groups: Sequence[int] | None = None,
     ) -> None:
-        self._graph = graph
         self._options = canonical_options(graph, options)
+        self._asked = graph  # what answers are reported on; the search runs on its price
+        graph = self._graph = collectives.priced(graph, self._options)
         self._cancel = cancel
         memory = resolve_memory(graph, self._options.memory)
         self._nested: dict[tuple[int, ...], BudgetSeries] | None = None
@@ -112,6 +117,12 @@ class BudgetSeries:
         self._shared = self._search() if self._options.offload is None else None
 
     def solve(self, budget_bytes: int, start: Sequence[bool] | None = None) -> Solution:
+        answer = self._solve(budget_bytes, start)
+        if self._graph is self._asked:
+            return answer
+        return collectives.report(self._asked, answer)
+
+    def _solve(self, budget_bytes: int, start: Sequence[bool] | None) -> Solution:
         if self._nested is not None:
             return choose_groups(self._graph, budget_bytes, self._options,
                                   lambda g: self._grouped(g).solve(budget_bytes, start))

@@ -60,6 +60,13 @@ def _check_columns(g: CostGraph) -> None:
             _fail(f"{field} has {len(getattr(g, field))} entries, node_id has {nn}")
     if g.node_batch_dims is not None and len(g.node_batch_dims) != nn:
         _fail(f"node_batch_dims has {len(g.node_batch_dims)} entries, node_id has {nn}")
+    if g.node_collective_bytes is not None:
+        if len(g.node_collective_bytes) != nn:
+            _fail(f"node_collective_bytes has {len(g.node_collective_bytes)} entries, "
+                  f"node_id has {nn}")
+        if g.mesh is None:
+            _fail("node_collective_bytes without a mesh: only a graph of a step on a device "
+                  "mesh (schema_version 3) moves bytes between devices")
     for ptr_name, ids_name in (("input_ptr", "input_ids"), ("output_ptr", "output_ids")):
         ptr, ids = getattr(g, ptr_name), getattr(g, ids_name)
         if len(ptr) != nn + 1 or (ptr and ptr[0] != 0) or (ptr and ptr[-1] != len(ids)):
@@ -142,6 +149,7 @@ _INTEGER_COLUMNS = (
     ("value_bytes", "value_id", "value", "bytes", 0),
     ("node_flops", "node_id", "node", "flops", 0),
     ("node_repeat", "node_id", "node", "repeat", 1),
+    ("node_collective_bytes", "node_id", "node", "collective bytes", 0),
 )
 
 
@@ -185,6 +193,7 @@ def _check_totals(g: CostGraph) -> None:
     _check_sum("bytes (value_bytes, value_extra_bytes and the step's held and working bytes)",
                sum(g.value_bytes) + sum(g.value_extra_bytes or ()) + held)
     _check_sum("FLOPs (node_flops)", sum(g.node_flops))
+    _check_sum("collective bytes (node_collective_bytes)", sum(g.node_collective_bytes or ()))
 
 
 def check_step(step: StepMemory) -> None:

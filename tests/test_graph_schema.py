@@ -90,6 +90,13 @@ def _with_step(**columns) -> Callable[[dict], None]:
     return mutate
 
 
+def _on_mesh(**columns: object) -> Callable[[dict], None]:
+    def mutate(d: dict) -> None:
+        d.update(schema_version=MESH_SCHEMA_VERSION,
+                 mesh={"axis_names": ["data"], "axis_sizes": [2]}, **columns)
+    return mutate
+
+
 MALFORMED = {
     # node 100 reads c, which node 101 writes from a, which node 100 writes
     "cycle": (_set("input_ids", [12, 11, 10]), r"cycle through node 100"),
@@ -144,6 +151,12 @@ MALFORMED = {
                    step={"argument_bytes": 8, "output_bytes": 8, "regions": [
                        {"source": "s", "length": 2, "working_bytes": 2**80}]}),
         r"working_bytes\s+Input should be less than 4611686018427387904"),
+    "collective bytes off a mesh": (_set("node_collective_bytes", [0, 8]),
+                                    r"node_collective_bytes without a mesh"),
+    "collective bytes column too short": (
+        _on_mesh(node_collective_bytes=[8]), r"node_collective_bytes has 1 entries"),
+    "negative collective bytes": (_on_mesh(node_collective_bytes=[0, -8]),
+                                  r"node 101 has collective bytes -8"),
     "aliases above arguments and outputs": (
         _with_step(node_region=[-1, -1], value_region=[-1] * 4,
                    step={"argument_bytes": 8, "output_bytes": 8, "alias_bytes": 17}),

@@ -31,7 +31,7 @@ from optiremat.client.extract.state import (
 from optiremat.client.keys import policy_key
 from optiremat.client.peak.placement import RegionMarker
 from optiremat.client.primitives import Role, body, info, unknown_body
-from optiremat.client.sharding import MeshLayout
+from optiremat.client.sharding import MeshLayout, collective_bytes
 from optiremat.solver.graph import GraphBuilder, NodeMode
 
 
@@ -73,13 +73,14 @@ class Walker:
              flops: int) -> list[Ref]:
         varying = frozenset().union(*(r.varying for r in ins))
         values = [self.new_value(v.aval, varying, ctx, v) for v in eqn.outvars]
+        moved = 0 if self.layout is None else collective_bytes(eqn, self.specs, self.layout)
         self.builder.node(
             eqn.primitive.name,
             [r.value for r in ins if r.value is not None],
             values,
             key=key, flops=flops * ctx.stacked(varying), mode=mode,
             repeat=ctx.stacked(varying), source=jx.source_of(eqn), batch_dims=batch_dims(eqn),
-            region=ctx.region,
+            region=ctx.region, collective_bytes=moved * ctx.stacked(varying),
         )
         return [Ref(v, True, varying) for v in values]
 
