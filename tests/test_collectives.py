@@ -9,9 +9,13 @@ from __future__ import annotations
 
 import json
 from fractions import Fraction
+from pathlib import Path
 
 import pytest
 
+import optiremat
+from optiremat.cli import main
+from optiremat.client.planfile import load_plan
 from optiremat.solver import CostGraph, GraphBuilder
 from optiremat.solver.collectives import flops_per_link_byte, priced
 from optiremat.solver.graph import DeviceMesh
@@ -94,3 +98,30 @@ def test_an_interconnect_bandwidth_that_is_not_a_positive_integer_is_refused(
         bandwidth: object) -> None:
     with pytest.raises(ValueError, match="interconnect_bandwidth"):
         solve(two_ways(), ONE_SAVED, interconnect_bandwidth=bandwidth)
+
+
+def test_the_command_line_prices_the_link_it_is_given(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    graph_path, plan_path = tmp_path / "mesh.graph.json", tmp_path / "mesh.plan.json"
+    graph_path.write_text(two_ways().canonical_json())
+    assert main(["solve", str(graph_path), "--budget", str(ONE_SAVED), "-o", str(plan_path),
+                 "--interconnect-bandwidth", "1e17"]) == 0
+    solution = load_plan(plan_path).solution
+    assert solution.saved_keys == ["dot"] and solution.collective_bytes == MOVED
+    assert solution.options.interconnect_bandwidth == 10**17
+    capsys.readouterr()
+    assert main(["explain", str(plan_path)]) == 0
+    assert "collectives its recomputation repeats: 1000 B per device" in capsys.readouterr().out
+    with pytest.raises(SystemExit):
+        main(["solve", str(graph_path), "--budget", str(ONE_SAVED),
+              "--interconnect-bandwidth", "0"])
+    assert "--interconnect-bandwidth: not a positive whole number" in capsys.readouterr().err
+
+
+def test_a_server_prices_the_link_as_the_library_does(remote: optiremat.RematClient) -> None:
+    for options in ({"time_limit_s": 20.0},
+                    {"time_limit_s": 20.0, "interconnect_bandwidth": 10**17}):
+        local = solve(two_ways(), ONE_SAVED, **options)
+        answered = remote.solve(two_ways(), ONE_SAVED, **options)
+        assert answered.fingerprint() == local.fingerprint()
+        assert answered.collective_bytes == local.collective_bytes
