@@ -7,8 +7,10 @@ suite's process would change every module's devices). It plans the small
 sharded stacks of ``tests/mesh_models.py`` on every layout and prints, as one
 JSON object, per layout: XLA's no-remat per-device peak, the smallest budget
 the graph prices, and per budget from that peak down to the smallest the plan's
-predicted and measured per-device peak, its recompute FLOPs, and whether its
-gradients and their shardings are those of the step without a plan.
+predicted and measured per-device peak, its recompute FLOPs, the bytes per
+device its recomputation moves between devices by the graph and by XLA's
+collectives (``client.hlo_collectives``: beyond the step without remat), and
+whether its gradients and their shardings are those of the step without a plan.
 """
 
 from __future__ import annotations
@@ -27,10 +29,10 @@ import numpy as np  # noqa: E402
 
 import optiremat  # noqa: E402
 from optiremat.client.peak.step_graph import step_extraction  # noqa: E402
-from optiremat.client.step import Step, lowered_peak  # noqa: E402
+from optiremat.client.step import Step, lowered_memory  # noqa: E402
 from optiremat.solver.solution import InfeasibleBudgetError  # noqa: E402
 from optiremat.solver.solve import min_feasible_budget  # noqa: E402
-from tests.mesh_models import LAYOUTS, sharded_llama  # noqa: E402
+from tests.mesh_models import LAYOUTS, Sharded, gathered_fsdp, sharded_llama  # noqa: E402
 
 # Small enough to compile quickly on 8 simulated devices, split evenly on every layout.
 SIZES = dict(layers=4, seq=32, batch=8, d=64, ffn=176)
@@ -47,41 +49,56 @@ def same_gradients(fun: Any, plan: optiremat.Plan, args: tuple) -> bool:
     return True
 
 
-def check(layout: str, constrained: bool) -> dict:
-    model = sharded_llama(layout, constrained, **SIZES)
+def check(model: Sharded, budgets: int = 2) -> dict:
+    """``budgets`` per-device budgets from the no-remat peak down to the smallest."""
     fun, args = model.loss, model.args
-    no_remat = lowered_peak(Step.of(0).function(fun).lower(*args))
-    graph = step_extraction(fun, args, Step.of(0)).graph
+    step = Step.of(0)
+    no_remat = lowered_memory(step.function(fun).lower(*args))
+    graph = step_extraction(fun, args, step).graph
     low = min_feasible_budget(graph)
     plans = []
-    # The two ends of the per-device budgets: each compile of a step on 8 simulated devices
-    # takes seconds, so the budgets between are bench/sharded.py's.
-    for budget in (no_remat, low):
+    # Each compile of a step on 8 simulated devices takes seconds: the two ends of the
+    # per-device budgets here, the budgets between are bench/sharded.py's.
+    top = no_remat.peak_bytes
+    for budget in [top - (top - low) * k // (budgets - 1) for k in range(budgets)]:
         try:
             plan = optiremat.optimize(fun, *args, budget=budget)
         except InfeasibleBudgetError as err:
             plans.append({"budget": budget, "refused": err.min_budget_bytes})
             continue
         measured = plan.verify(fun, *args, peak=True).measured_peak_bytes
+        # The step under the plan, as verify compiled it (remembered by program text).
+        placed = lowered_memory(step.function(plan.apply(fun)).lower(*args))
         plans.append({"budget": budget, "predicted": plan.peak_bytes, "measured": measured,
                       "flops": plan.recompute_flops,
+                      "collectives": plan.collective_bytes,
+                      "xla_collectives": placed.collective_bytes - no_remat.collective_bytes,
                       # Run at the smallest budget, where the plan recomputes the most.
                       "same_gradients": same_gradients(fun, plan, args) if budget == low
                       else None})
-    return {"no_remat": no_remat, "low": low, "plans": plans, "graph": graph.canonical_json(),
+    return {"no_remat": top, "low": low, "plans": plans, "graph": graph.canonical_json(),
             "mesh": [graph.mesh.axis_names, graph.mesh.axis_sizes] if graph.mesh else None,
-            "schema_version": graph.schema_version}
+            "schema_version": graph.schema_version,
+            "step_collectives": no_remat.collective_bytes}
 
 
 # Every mesh, and the constraint inside the layer on two of them (bench/sharded.py runs
 # all six): about a minute each on two cores.
-CHECKED = ("dp", "fsdp_constrained", "tp_constrained")
+CHECKED = ("dp", "fsdp_constrained", "tp_constrained", "mlp_fsdp_gathered")
+
+
+def model_of(name: str) -> Sharded:
+    if name == "mlp_fsdp_gathered":
+        return gathered_fsdp()
+    assert name.split("_")[0] in LAYOUTS, name
+    return sharded_llama(name.split("_")[0], name.endswith("_constrained"), **SIZES)
 
 
 def main() -> None:
-    layouts = sys.argv[1:] or list(CHECKED)
-    assert all(name.split("_")[0] in LAYOUTS for name in layouts), layouts
-    out = {name: check(name.split("_")[0], name.endswith("_constrained")) for name in layouts}
+    names = sys.argv[1:] or list(CHECKED)
+    # The gathered weights' stack compiles in a fraction of a second: three budgets.
+    out = {name: check(model_of(name), 3 if name == "mlp_fsdp_gathered" else 2)
+           for name in names}
     print(json.dumps(out))
 
 

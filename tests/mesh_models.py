@@ -90,3 +90,31 @@ def sharded_llama(layout: str, constrained: bool, *, layers: int = 8, seq: int =
               for n, w in params.items()}
     name = f"llama_{layout}{'_constrained' if constrained else ''}"
     return Sharded(name, loss, (placed, place(x, activations)), mesh)
+
+
+def gathered_fsdp(layers: int = 4, batch: int = 64, d: int = 128, ffn: int = 256) -> Sharded:
+    """An MLP stack sharded FSDP-style that gathers each layer's weights itself, as FSDP
+    implementations write it (``with_sharding_constraint(w, P())`` before the matmul):
+    the gathered weights are values of the jaxpr, so a plan chooses between saving them
+    (device memory) and gathering them again in the backward pass (the link)."""
+    mesh = mesh_of("fsdp")
+    rng = np.random.default_rng(5)
+    split, whole = NamedSharding(mesh, P(None, "data")), NamedSharding(mesh, P())
+
+    def weights(*shape: int) -> jax.Array:
+        return jax.device_put(jnp.asarray(rng.standard_normal(shape) * 0.05, jnp.float32),
+                              split)
+
+    params = {"w_in": weights(layers, d, ffn), "w_out": weights(layers, ffn, d)}
+    x = jax.device_put(jnp.asarray(rng.standard_normal((batch, d)), jnp.float32),
+                       NamedSharding(mesh, P("data")))
+
+    def loss(params: Any, x: jax.Array) -> jax.Array:
+        def body(h: jax.Array, p: Any) -> tuple[jax.Array, None]:
+            w_in = lax.with_sharding_constraint(p["w_in"], whole)
+            w_out = lax.with_sharding_constraint(p["w_out"], whole)
+            return h + jnp.tanh(h @ w_in) @ w_out, None
+        h, _ = lax.scan(body, x, params)
+        return jnp.mean(jnp.square(h))
+
+    return Sharded("mlp_fsdp_gathered", loss, (params, x), mesh)

@@ -54,11 +54,50 @@ def test_plans_on_a_mesh_predict_and_honour_per_device_budgets(checks: dict,
         error = (plan["predicted"] - plan["measured"]) / plan["measured"]
         assert abs(error) <= TOLERANCE, (layout, plan, error)
         assert plan["same_gradients"] in (True, None), (layout, plan)
+        # What the plan's recomputation moves between devices, against what XLA's
+        # collectives move beyond the step without remat (the graph does not see all of
+        # it: docs/design.md, Sharded steps, Collectives).
+        moved = plan["collectives"] - plan["xla_collectives"]
+        assert abs(moved) <= TOLERANCE * result["step_collectives"], (layout, plan)
     assert result["plans"][-1]["same_gradients"] is True  # and output shardings
     at_peak = result["plans"][0]
     assert at_peak["budget"] == result["no_remat"] and at_peak["flops"] == 0
     # The smallest budget recomputes: sharded bytes leave remat work to do there.
     assert result["plans"][-1]["flops"] > 0
+
+
+def test_a_plan_pays_the_link_for_a_gathered_weight_only_where_the_budget_needs_it(
+        checks: dict) -> None:
+    result = checks["mlp_fsdp_gathered"]
+    graph = optiremat.CostGraph.model_validate_json(result["graph"])
+    gathers = [b for b, p in zip(graph.node_collective_bytes or [], graph.node_primitive,
+                                 strict=True) if p == "sharding_constraint" and b]
+    # Each layer's two weights, gathered 8 ways: 7/8 of a whole weight per layer.
+    assert len(gathers) == 2 and all(b == 7 * 128 * 256 * 4 // 8 * 4 for b in gathers)
+    plans = result["plans"]
+    for plan in plans:
+        assert plan["measured"] <= plan["budget"], plan
+        assert plan["predicted"] == plan["measured"], plan
+        # Exactly what XLA's collectives move beyond the step without remat.
+        assert plan["collectives"] == plan["xla_collectives"], plan
+    # Down from the no-remat peak the plan gathers the weights again rather than hold them
+    # gathered, at no FLOPs; only the smallest budget recomputes the layer as well.
+    moved = [p["collectives"] for p in plans]
+    assert moved == sorted(moved) and moved[-1] == sum(gathers)
+    assert plans[0]["flops"] == plans[1]["flops"] == 0 < plans[-1]["flops"]
+    assert plans[-1]["same_gradients"] is True
+
+
+def test_row_parallel_dots_carry_their_all_reduce_in_the_graph(checks: dict) -> None:
+    graph = optiremat.CostGraph.model_validate_json(checks["tp_constrained"]["graph"])
+    moved = graph.node_collective_bytes or [0] * graph.num_nodes
+    reducing = [n for n, b in enumerate(moved)
+                if b and graph.node_primitive[n] == "dot_general"]
+    # The attention's and the MLP's output projections: their contracted dimension is
+    # split on the model axis in both operands. A ring all-reduce over its 4 devices moves
+    # 2 * 3/4 of one device's (B/2, T, D) f32 block, each of the 4 layers.
+    assert len(reducing) == 2
+    assert all(moved[n] == 4 * 2 * 3 * (4 * 32 * 64 * 4) // 4 for n in reducing)
 
 
 def test_the_service_solves_a_graph_on_a_mesh_as_the_client_does(
