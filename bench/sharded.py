@@ -3,11 +3,15 @@
     .venv/bin/python bench/sharded.py            # 8 layers, T 128 (~10 min on 2 cores)
     .venv/bin/python bench/sharded.py --quick    # 4 layers, T 64, three budgets
     .venv/bin/python bench/sharded.py --points 3 dp fsdp tp_constrained   # some layouts
+    .venv/bin/python bench/sharded.py --quick lm_dp lm_fsdp lm_tp_constrained   # the LM
 
 On 8 simulated CPU devices, the Llama-style ``lax.scan`` stack of
 ``tests/mesh_models.py`` (D 256, F 688, 8 heads, B 8, f32) under data
 parallel, FSDP and 2 x 4 tensor parallel layouts, each with and without a
-``with_sharding_constraint`` inside the layer. Per layout it prints the
+``with_sharding_constraint`` inside the layer, and the corpus LM on the same
+layouts (``lm_`` before the layout: ``sharded_lm``, 2 layers with its
+``checkpoint_name``s, D 64, F 176, V 512, B 8; T 128, T 64 with ``--quick``). Per
+layout it prints the
 per-device peak of the step without remat (XLA's ``memory_analysis()``:
 argument + output + temp - alias, ``client.step.measured_peak``) and, for
 budgets from that peak down, the plan ``optimize`` answers: predicted and
@@ -35,14 +39,16 @@ from optiremat.client.step import Step, measured_peak  # noqa: E402
 from optiremat.solver.solution import InfeasibleBudgetError  # noqa: E402
 from optiremat.solver.solve import min_feasible_budget  # noqa: E402
 from optiremat.solver.units import format_bytes  # noqa: E402
-from tests.mesh_models import LAYOUTS, sharded_llama  # noqa: E402
+from tests.mesh_models import LAYOUTS, sharded_llama, sharded_lm  # noqa: E402
 
 FULL_POINTS = 6
 QUICK_POINTS = 3
 
 
-def layout_rows(layout: str, constrained: bool, points: int, layers: int, seq: int) -> dict:
-    model = sharded_llama(layout, constrained, layers=layers, seq=seq)
+def layout_rows(name: str, points: int, layers: int, seq: int) -> dict:
+    layout, constrained = name.removeprefix("lm_").split("_")[0], name.endswith("_constrained")
+    model = (sharded_lm(layout, constrained, seq=seq) if name.startswith("lm_")
+             else sharded_llama(layout, constrained, layers=layers, seq=seq))
     fun, args = model.loss, model.args
     started = time.perf_counter()
     no_remat = measured_peak(Step.of(0).function(fun).lower(*args).compile())
@@ -89,16 +95,16 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="4 layers, T 64, three budgets")
     parser.add_argument("--points", type=int, help="budgets per layout, the ends included")
     parser.add_argument("layouts", nargs="*", help="dp, fsdp, tp, each optionally with "
-                        "_constrained (default: all six)")
+                        "_constrained, and lm_ before one for the LM (default: all twelve)")
     opts = parser.parse_args()
     layers, seq = (4, 64) if opts.quick else (8, 128)
     points = opts.points or (QUICK_POINTS if opts.quick else FULL_POINTS)
-    names = opts.layouts or [f"{layout}{suffix}" for layout in LAYOUTS
-                             for suffix in ("", "_constrained")]
-    if any(name.split("_")[0] not in LAYOUTS for name in names):
-        parser.error(f"layouts are {', '.join(LAYOUTS)}, each optionally with _constrained")
-    rows = [layout_rows(name.split("_")[0], name.endswith("_constrained"), points, layers, seq)
-            for name in names]
+    names = opts.layouts or [f"{model}{layout}{suffix}" for model in ("", "lm_")
+                             for layout in LAYOUTS for suffix in ("", "_constrained")]
+    if any(name.removeprefix("lm_").split("_")[0] not in LAYOUTS for name in names):
+        parser.error(f"layouts are {', '.join(LAYOUTS)}, each optionally with _constrained "
+                     "and lm_ before one for the LM")
+    rows = [layout_rows(name, points, layers, seq) for name in names]
     print("\n| layout | no-remat peak per device | predicted - measured | fits | refused "
           "| FLOPs recomputed at the no-remat peak |\n|---|---|---|---|---|---|")
     for r in rows:

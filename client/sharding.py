@@ -8,7 +8,10 @@ the rules SPMD partitioning follows for the primitives a layer is made of: an
 elementwise op keeps its operands' split, a ``dot_general`` keeps its batch and
 free dimensions' and loses a contracted one (its partial sums are all-reduced),
 a reshape carries a split onto the major dimension of the group it maps to, a
-reduction drops the reduced dimensions, ``with_sharding_constraint`` sets it.
+reduction drops the reduced dimensions, a gather keeps its indices' split and its
+operand's on the dimensions it slices whole (an embedding lookup is split as its
+tokens), a broadcast takes the split of the elementwise op that reads it,
+``with_sharding_constraint`` sets it.
 A mesh axis splits at most one dimension of a value (XLA gathers the other, as it
 does an FSDP parameter a batch-sharded activation multiplies). Why propagation and
 not XLA's own shardings: ``docs/design.md``, "Sharded steps".
@@ -243,6 +246,53 @@ def _match_batch(eqn: Any, ins: list[Spec | None], env: dict, fixed: set) -> Non
         env[var] = _dedupe(spec)
 
 
+# Primitives ``_equation`` gives a rule of their own; any other is elementwise-like.
+_OWN_RULES = frozenset({"sharding_constraint", "dot_general", "gather", "transpose",
+                        "broadcast_in_dim", "reshape", "squeeze", "concatenate"}) | REDUCTIONS
+
+
+def _split_broadcasts(eqn: Any, out: Spec, env: dict, broadcasts: set) -> None:
+    """A ``broadcast_in_dim`` made in this jaxpr that an elementwise op meets with a split
+    operand takes the op's split: each device builds its own block of a broadcast, so
+    XLA splits it as its user (measured: the causal mask ``jnp.where`` broadcasts to the
+    scores' shape, and the ``-1e9`` beside it, are one batch row per device on a
+    data-parallel mesh in the compiled program, not whole)."""
+    shape = _shape(eqn.outvars[0])
+    for var in eqn.invars:
+        if not isinstance(var, jx.Literal) and var in broadcasts and _shape(var) == shape:
+            mine = env.get(var) or ((),) * len(shape)
+            env[var] = _dedupe([a or b for a, b in zip(mine, out, strict=True)])
+
+
+def _gather(eqn: Any, operand: Spec | None, indices: Spec | None) -> Spec:
+    """A gather's output dimensions are its indices' batch dimensions (all but the last,
+    the index vector), split as the indices are, and the operand's offset dimensions in
+    order, split as the operand is where the whole dimension is sliced. A split of an
+    indexed (collapsed) dimension is lost: XLA gathers from its shard with the indices
+    outside masked and all-reduces, or all-gathers the table; either way each device
+    holds every row it asked for (measured: an embedding table split by vocabulary
+    rows, over the batch's own axis (FSDP) or another (tensor parallel), gives the
+    token batch's split and whole rows, in the compiled program's shapes)."""
+    dn = eqn.params["dimension_numbers"]
+    op_shape, out_rank = _shape(eqn.invars[0]), len(_shape(eqn.outvars[0]))
+    operand = operand or ((),) * len(op_shape)
+    indices = indices or ((),) * len(_shape(eqn.invars[1]))
+    sliced = [d for d in range(len(op_shape))
+              if d not in dn.collapsed_slice_dims and d not in dn.operand_batching_dims]
+    batched = dict(zip(dn.start_indices_batching_dims, dn.operand_batching_dims, strict=True))
+    out: list[tuple[str, ...]] = []
+    offsets, batches = iter(sliced), iter(range(len(indices) - 1))
+    for d in range(out_rank):
+        if d in dn.offset_dims:
+            o = next(offsets)
+            whole = eqn.params["slice_sizes"][o] == op_shape[o]
+            out.append(operand[o] if whole else ())
+        else:
+            i = next(batches)
+            out.append(indices[i] or (operand[batched[i]] if i in batched else ()))
+    return _dedupe(out)
+
+
 def _equation(eqn: Any, ins: list[Spec | None], sizes: dict[str, int]) -> list[Spec]:
     name = eqn.primitive.name
     outs = [_shape(v) for v in eqn.outvars]
@@ -252,6 +302,8 @@ def _equation(eqn: Any, ins: list[Spec | None], sizes: dict[str, int]) -> list[S
         return [spec_of(eqn.params["sharding"], len(outs[0]))]
     if name == "dot_general":
         return [_dot(eqn, ins[0] or (), ins[1] or ())]
+    if name == "gather":
+        return [_gather(eqn, ins[0], ins[1])]
     if name == "transpose" and first:
         return [tuple(first[p] for p in eqn.params["permutation"])]
     if name == "broadcast_in_dim" and first:
@@ -288,6 +340,7 @@ def propagate(jaxpr: jx.Jaxpr, specs: Sequence[Spec | None], sizes: dict[str, in
     (inner jaxprs' too, by variable: a scan body's per iteration)."""
     env: dict = {} if into is None else into
     env.update((v, s) for v, s in zip(jaxpr.invars, specs, strict=True))
+    broadcasts: set = set()  # the variables broadcast_in_dim makes here
 
     def read(x: Any) -> Spec | None:
         return None if isinstance(x, jx.Literal) else env.get(x)
@@ -317,8 +370,13 @@ def propagate(jaxpr: jx.Jaxpr, specs: Sequence[Spec | None], sizes: dict[str, in
             outs = carry
         else:
             outs = list(_equation(eqn, ins, sizes))
-            if eqn.primitive.name == "dot_general":
+            name = eqn.primitive.name
+            if name == "dot_general":
                 _match_batch(eqn, ins, env, set(jaxpr.invars))
+            elif name == "broadcast_in_dim":
+                broadcasts.add(eqn.outvars[0])
+            elif name not in _OWN_RULES and outs and outs[0] and any(outs[0]):
+                _split_broadcasts(eqn, outs[0], env, broadcasts)
         assert outs is not None
         env.update((v, s) for v, s in zip(eqn.outvars, outs, strict=True))
     return [read(x) for x in jaxpr.outvars], env

@@ -23,7 +23,7 @@ import jax.extend
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
-from jax.ad_checkpoint import checkpoint_name
+from jax.ad_checkpoint import checkpoint_name as _named
 
 from tests.peak_models import _rmsnorm, _rope
 
@@ -44,7 +44,16 @@ PRESETS: dict[str, frozenset[str]] = {
 }
 
 
-def decoder_layer(heads: int, kv_heads: int) -> Callable[[jax.Array, Params], jax.Array]:
+def _unnamed(x: jax.Array, _: str) -> jax.Array:
+    return x
+
+
+def decoder_layer(heads: int, kv_heads: int,
+                  named: bool = True) -> Callable[[jax.Array, Params], jax.Array]:
+    """``named=False``: the same layer without its ``checkpoint_name``s (no named value for
+    refinement to try as a candidate: each is a compile of the step)."""
+    checkpoint_name = _named if named else _unnamed
+
     def layer(h: jax.Array, p: Params) -> jax.Array:
         b, t, d = h.shape
         hd = d // heads
@@ -67,14 +76,21 @@ def decoder_layer(heads: int, kv_heads: int) -> Callable[[jax.Array, Params], ja
     return layer
 
 
-def lm_loss(heads: int, kv_heads: int, tied: bool,
-            z_loss: float = 1e-4) -> Callable[[Params, jax.Array], jax.Array]:
-    layer = decoder_layer(heads, kv_heads)
+def lm_loss(heads: int, kv_heads: int, tied: bool, z_loss: float = 1e-4,
+            layer_output: Callable[[jax.Array], jax.Array] | None = None,
+            named: bool = True) -> Callable[[Params, jax.Array], jax.Array]:
+    """``layer_output`` is applied to each layer's output inside the scan (a sharded
+    stack's ``with_sharding_constraint``, ``tests/mesh_models.py``)."""
+    layer = decoder_layer(heads, kv_heads, named)
+
+    def step(h: jax.Array, p: Params) -> tuple[jax.Array, None]:
+        out = layer(h, p)
+        return (out if layer_output is None else layer_output(out)), None
 
     def loss(params: Params, tokens: jax.Array) -> jax.Array:
         inputs, labels = tokens[:, :-1], tokens[:, 1:]
         h = params["embed"][inputs]
-        h, _ = lax.scan(lambda h, p: (layer(h, p), None), h, params["layers"])
+        h, _ = lax.scan(step, h, params["layers"])
         h = _rmsnorm(h, params["final_norm"])
         head = params["embed"].T if tied else params["head"]
         logits = (h @ head).astype(jnp.float32)

@@ -4,7 +4,8 @@ XLA reads ``--xla_force_host_platform_device_count`` once, when JAX starts, so t
 flag is set here before JAX is imported, in a process of its own
 (``tests/test_sharded.py`` runs it; under pytest-xdist any flag set in the
 suite's process would change every module's devices). It plans the small
-sharded stacks of ``tests/mesh_models.py`` on every layout and prints, as one
+sharded Llama stack and LM of ``tests/mesh_models.py`` (an LM layout's name
+starts ``lm_``) on every layout and prints, as one
 JSON object, per layout: XLA's no-remat per-device peak, the smallest budget
 the graph prices, and per budget from that peak down to the smallest the plan's
 predicted and measured per-device peak, its recompute FLOPs, the bytes per
@@ -32,10 +33,34 @@ from optiremat.client.peak.step_graph import step_extraction  # noqa: E402
 from optiremat.client.step import Step, lowered_memory  # noqa: E402
 from optiremat.solver.solution import InfeasibleBudgetError  # noqa: E402
 from optiremat.solver.solve import min_feasible_budget  # noqa: E402
-from tests.mesh_models import LAYOUTS, Sharded, gathered_fsdp, sharded_llama  # noqa: E402
+from tests.mesh_models import (  # noqa: E402
+    LAYOUTS,
+    Sharded,
+    gathered_fsdp,
+    sharded_llama,
+    sharded_lm,
+)
 
 # Small enough to compile quickly on 8 simulated devices, split evenly on every layout.
 SIZES = dict(layers=4, seq=32, batch=8, d=64, ffn=176)
+# The LM's layers without their checkpoint names: at the smallest budget refinement
+# measures each named value saved as a candidate, 6-10 more compiles of the step per
+# layout (about 13 s on two cores); bench/sharded.py plans the LM with them.
+LM_SIZES = dict(layers=2, seq=32, batch=8, d=64, ffn=176, vocab=512, named=False)
+
+
+def model_of(name: str) -> Sharded:
+    """``[lm_]layout[_constrained]``: the LM or the Llama stack on that layout; or the
+    stack that gathers its own weights."""
+    if name == "mlp_fsdp_gathered":
+        return gathered_fsdp()
+    lm = name.startswith("lm_")
+    layout = name.removeprefix("lm_").split("_")[0]
+    assert layout in LAYOUTS, name
+    constrained = name.endswith("_constrained")
+    if lm:
+        return sharded_lm(layout, constrained, **LM_SIZES)
+    return sharded_llama(layout, constrained, **SIZES)
 
 
 def same_gradients(fun: Any, plan: optiremat.Plan, args: tuple) -> bool:
@@ -82,16 +107,10 @@ def check(model: Sharded, budgets: int = 2) -> dict:
             "step_collectives": no_remat.collective_bytes}
 
 
-# Every mesh, and the constraint inside the layer on two of them (bench/sharded.py runs
-# all six): about a minute each on two cores.
-CHECKED = ("dp", "fsdp_constrained", "tp_constrained", "mlp_fsdp_gathered")
-
-
-def model_of(name: str) -> Sharded:
-    if name == "mlp_fsdp_gathered":
-        return gathered_fsdp()
-    assert name.split("_")[0] in LAYOUTS, name
-    return sharded_llama(name.split("_")[0], name.endswith("_constrained"), **SIZES)
+# Every mesh with and without the constraint inside the layer, across the Llama stack and
+# the LM (bench/sharded.py runs all twelve), and the stack that gathers its own weights.
+CHECKED = ("dp", "fsdp_constrained", "tp_constrained", "lm_dp_constrained", "lm_fsdp", "lm_tp",
+           "mlp_fsdp_gathered")
 
 
 def main() -> None:

@@ -1,4 +1,4 @@
-"""The sharded corpus: the Llama-style ``lax.scan`` stack on a device mesh.
+"""The sharded corpus: the Llama-style ``lax.scan`` stack and an LM on a device mesh.
 
 Three layouts, as training libraries shard a stack of layers, each with or
 without a ``with_sharding_constraint`` on the layer's output (inside the scan
@@ -10,6 +10,14 @@ body):
 * ``tp``: a 2 x 4 mesh, data x model: the batch over ``data``, the attention's and
   the MLP's input projections split by columns over ``model``, their output
   projections by rows (Megatron's layout).
+
+The LM (``sharded_lm``: ``tests/lm_models.py``'s, embedding gather, decoder scan,
+final norm, head and cross-entropy with z-loss) takes the same layouts, its tokens
+split as the stack's activations; outside the layers, FSDP splits each parameter
+on its first axis (the embedding by vocabulary rows, the head by its ``d`` rows,
+the final norm) and tensor parallelism splits the embedding by vocabulary rows and
+the head by vocabulary columns over ``model`` (Megatron's vocabulary-parallel
+embedding and head).
 
 The process must have at least the mesh's devices: on CPU, set
 ``XLA_FLAGS=--xla_force_host_platform_device_count=8`` before JAX is imported.
@@ -28,6 +36,7 @@ from jax import lax
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from tests.lm_models import lm, lm_loss
 from tests.peak_models import llama, llama_layer
 
 LAYOUTS = ("dp", "fsdp", "tp")
@@ -61,6 +70,23 @@ def param_spec(layout: str, name: str, ndim: int) -> P:
     return P()
 
 
+def lm_param_spec(layout: str, name: str) -> P:
+    """The LM's parameters outside the layers ("embed", "head", "final_norm")."""
+    if layout == "fsdp":
+        return P("data")
+    if layout == "tp" and name == "embed":
+        return P("model", None)
+    if layout == "tp" and name == "head":
+        return P(None, "model")
+    return P()
+
+
+def _place(value: Any, sharding: NamedSharding, abstract: bool) -> Any:
+    if abstract:
+        return jax.ShapeDtypeStruct(value.shape, value.dtype, sharding=sharding)
+    return jax.device_put(value, sharding)
+
+
 def sharded_llama(layout: str, constrained: bool, *, layers: int = 8, seq: int = 128,
                   batch: int = 8, d: int = 256, ffn: int = 688,
                   abstract: bool = False) -> Sharded:
@@ -81,15 +107,10 @@ def sharded_llama(layout: str, constrained: bool, *, layers: int = 8, seq: int =
         h, _ = lax.scan(body, x, params)
         return jnp.mean(jnp.square(h.astype(jnp.float32)))
 
-    def place(value: Any, sharding: NamedSharding) -> Any:
-        if abstract:
-            return jax.ShapeDtypeStruct(value.shape, value.dtype, sharding=sharding)
-        return jax.device_put(value, sharding)
-
-    placed = {n: place(w, NamedSharding(mesh, param_spec(layout, n, w.ndim)))
+    placed = {n: _place(w, NamedSharding(mesh, param_spec(layout, n, w.ndim)), abstract)
               for n, w in params.items()}
     name = f"llama_{layout}{'_constrained' if constrained else ''}"
-    return Sharded(name, loss, (placed, place(x, activations)), mesh)
+    return Sharded(name, loss, (placed, _place(x, activations, abstract)), mesh)
 
 
 def gathered_fsdp(layers: int = 4, batch: int = 64, d: int = 128, ffn: int = 256) -> Sharded:
@@ -118,3 +139,24 @@ def gathered_fsdp(layers: int = 4, batch: int = 64, d: int = 128, ffn: int = 256
         return jnp.mean(jnp.square(h))
 
     return Sharded("mlp_fsdp_gathered", loss, (params, x), mesh)
+
+
+def sharded_lm(layout: str, constrained: bool, *, layers: int = 2, seq: int = 32,
+               batch: int = 8, d: int = 64, ffn: int = 176, vocab: int = 512,
+               named: bool = True, abstract: bool = False) -> Sharded:
+    """The corpus LM (8 heads, 2 KV heads, untied head, f32) on ``layout``'s mesh; the
+    arguments are ``(params, tokens)``, ``tokens`` of ``(batch, seq + 1)``. ``named``:
+    the layers' ``checkpoint_name``s, as the corpus has them."""
+    mesh = mesh_of(layout)
+    _, (params, tokens) = lm(layers=layers, d=d, ffn=ffn, vocab=vocab, batch=batch,
+                             seq=seq, abstract=abstract)
+    activations = NamedSharding(mesh, P("data"))
+    loss = lm_loss(8, 2, tied=False, named=named, layer_output=(
+        (lambda h: lax.with_sharding_constraint(h, activations)) if constrained else None))
+    placed = {n: _place(w, NamedSharding(mesh, lm_param_spec(layout, n)), abstract)
+              for n, w in params.items() if n != "layers"}
+    placed["layers"] = {
+        n: _place(w, NamedSharding(mesh, param_spec(layout, n, w.ndim)), abstract)
+        for n, w in params["layers"].items()}
+    name = f"lm_{layout}{'_constrained' if constrained else ''}"
+    return Sharded(name, loss, (placed, _place(tokens, activations, abstract)), mesh)

@@ -3,8 +3,9 @@
 The plans themselves run on 8 simulated CPU devices in a process of their own
 (``tests/mesh_checks.py``: the device count is fixed when JAX starts), on data
 parallel, FSDP and 2 x 4 tensor-parallel layouts, each with and without a
-``with_sharding_constraint`` in the layer. Bad input is checked here, on this
-process's one device.
+``with_sharding_constraint`` in the layer, on the Llama stack and the corpus LM. Bad
+input and the propagation rules' per-device shapes are checked here, on this process's
+one device.
 """
 
 from __future__ import annotations
@@ -21,16 +22,19 @@ from jax.sharding import AbstractMesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import optiremat
+from optiremat.client.sharding import Spec, propagate
 from tests.service_harness import REPO
 
 # Among the suite's longest: handed out first (tests/conftest.py).
 pytestmark = pytest.mark.slow
 
-# Every mesh, and a constraint inside the layer on two (``tests/mesh_checks.py``).
-LAYOUTS = ["dp", "fsdp_constrained", "tp_constrained"]
+# Every mesh with and without a constraint inside the layer, across the Llama stack and
+# the LM (``tests/mesh_checks.py``).
+LAYOUTS = ["dp", "fsdp_constrained", "tp_constrained", "lm_dp_constrained", "lm_fsdp", "lm_tp"]
 MESHES = {"dp": [["data"], [8]], "fsdp": [["data"], [8]], "tp": [["data", "model"], [2, 4]]}
 # Predicted per-device peak against XLA's, on every plan.
 TOLERANCE = 0.03
+SIZES = {"data": 2, "model": 4}  # the tensor-parallel mesh's axes, for propagation alone
 
 
 @pytest.fixture(scope="module")
@@ -46,7 +50,7 @@ def test_plans_on_a_mesh_predict_and_honour_per_device_budgets(checks: dict,
                                                               layout: str) -> None:
     result = checks[layout]
     assert result["schema_version"] == 3
-    assert result["mesh"] == MESHES[layout.split("_")[0]]
+    assert result["mesh"] == MESHES[layout.removeprefix("lm_").split("_")[0]]
     assert result["low"] < result["no_remat"]
     for plan in result["plans"]:
         assert "refused" not in plan, (layout, plan)  # every budget from the smallest up
@@ -124,3 +128,38 @@ def test_a_mesh_larger_than_the_host_is_refused_naming_the_argument() -> None:
         optiremat.optimize(_loss, ws, x, budget="1MiB")
     assert isinstance(err.value, optiremat.OptirematError)
     assert "xla_force_host_platform_device_count=16" in str(err.value)
+
+
+@pytest.mark.parametrize("table", [(("model",), ()), (("data",), ()), ((), ())])
+def test_an_embedding_gather_is_split_as_its_tokens(table: Spec) -> None:
+    """Whole rows for every token the device holds, however the table is split by
+    vocabulary rows: XLA's partitioned gather (masked over the table's shard, then
+    all-reduced or reduce-scattered) leaves one device a (batch shard, seq, d) block on
+    the FSDP and tensor-parallel layouts of ``tests/mesh_models.py``."""
+    closed = jax.make_jaxpr(lambda t, i: t[i])(jax.ShapeDtypeStruct((512, 64), jnp.float32),
+                                              jax.ShapeDtypeStruct((8, 32), jnp.int32))
+    outs, _ = propagate(closed.jaxpr, [table, (("data",), ())], SIZES)
+    assert outs == [(("data",), (), ())]
+
+
+def test_a_gather_keeps_a_whole_sliced_dimensions_split() -> None:
+    """A table split by its ``d`` columns gathers each device's columns of every row:
+    XLA's compiled gather there is f32[128,1,16] per device on the 2 x 4 mesh, its
+    output P('data', None, 'model')."""
+    closed = jax.make_jaxpr(lambda t, i: t[i])(jax.ShapeDtypeStruct((512, 64), jnp.float32),
+                                              jax.ShapeDtypeStruct((8, 32), jnp.int32))
+    outs, _ = propagate(closed.jaxpr, [((), ("model",)), (("data",), ())], SIZES)
+    assert outs == [(("data",), (), ("model",))]
+
+
+def test_a_broadcast_an_elementwise_op_meets_takes_its_split() -> None:
+    """The causal mask ``jnp.where`` broadcasts to the scores' shape is split as the
+    scores are: XLA's compiled data-parallel step holds it as pred[1,8,32,32] per
+    device, not the whole pred[8,8,32,32]."""
+    mask = jnp.tril(jnp.ones((32, 32), dtype=bool))
+    closed = jax.make_jaxpr(lambda s: jnp.where(mask, s, -1e9))(
+        jax.ShapeDtypeStruct((8, 8, 32, 32), jnp.float32))
+    _, env = propagate(closed.jaxpr, [(("data",), (), (), ())], SIZES)
+    broadcasts = [s for v, s in env.items() if len(getattr(v.aval, "shape", ())) == 4
+                  and v not in closed.jaxpr.invars]
+    assert broadcasts and all(s == (("data",), (), (), ()) for s in broadcasts), broadcasts
