@@ -15,8 +15,12 @@ layout it prints the
 per-device peak of the step without remat (XLA's ``memory_analysis()``:
 argument + output + temp - alias, ``client.step.measured_peak``) and, for
 budgets from that peak down, the plan ``optimize`` answers: predicted and
-measured per-device peak, whether it fits, its recompute FLOPs, or the
-refusal and the smallest feasible budget it names.
+measured per-device peak, whether it fits, its recompute FLOPs, the bytes
+per device its recomputation moves between devices by the graph and by XLA's
+collectives (beyond the step without remat), or the refusal and the smallest
+feasible budget it names. ``mlp_fsdp_gathered`` is an FSDP MLP stack that
+gathers its own weights (``tests/mesh_models.gathered_fsdp``), where the plan
+chooses between holding them gathered and gathering them again.
 """
 
 from __future__ import annotations
@@ -35,30 +39,40 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import optiremat  # noqa: E402
 from optiremat.client.peak.step_graph import step_extraction  # noqa: E402
-from optiremat.client.step import Step, measured_peak  # noqa: E402
+from optiremat.client.step import Step, lowered_memory  # noqa: E402
 from optiremat.solver.solution import InfeasibleBudgetError  # noqa: E402
 from optiremat.solver.solve import min_feasible_budget  # noqa: E402
 from optiremat.solver.units import format_bytes  # noqa: E402
-from tests.mesh_models import LAYOUTS, sharded_llama, sharded_lm  # noqa: E402
+from tests.mesh_models import LAYOUTS, gathered_fsdp, sharded_llama, sharded_lm  # noqa: E402
 
 FULL_POINTS = 6
+GATHERED = "mlp_fsdp_gathered"
 QUICK_POINTS = 3
 
 
 def layout_rows(name: str, points: int, layers: int, seq: int) -> dict:
     layout, constrained = name.removeprefix("lm_").split("_")[0], name.endswith("_constrained")
-    model = (sharded_lm(layout, constrained, seq=seq) if name.startswith("lm_")
-             else sharded_llama(layout, constrained, layers=layers, seq=seq))
+    if name == GATHERED:
+        model = gathered_fsdp(layers=layers)
+    elif name.startswith("lm_"):
+        model = sharded_lm(layout, constrained, seq=seq)
+    else:
+        model = sharded_llama(layout, constrained, layers=layers, seq=seq)
     fun, args = model.loss, model.args
     started = time.perf_counter()
-    no_remat = measured_peak(Step.of(0).function(fun).lower(*args).compile())
+    step = Step.of(0)
+    plain = lowered_memory(step.function(fun).lower(*args))
+    no_remat = plain.peak_bytes
     print(f"\n## {model.name}: mesh {dict(model.mesh.shape)}, no-remat peak per device "
           f"{format_bytes(no_remat)}")
     low = min_feasible_budget(step_extraction(fun, args, Step.of(0)).graph)
     print(f"smallest feasible per-device budget the graph prices: {format_bytes(low)}")
+    print(f"collectives of the step without remat: {format_bytes(plain.collective_bytes)} "
+          "per device")
     print(f"{'budget':>11} {'status':>8} {'predicted':>11} {'measured':>11} {'error':>7} "
-          f"{'fits':>5} {'recompute FLOPs':>16}")
+          f"{'fits':>5} {'recompute FLOPs':>16} {'moves (graph)':>14} {'moves (XLA)':>12}")
     errors, refused, fits, plans, flops_at_peak = [], 0, 0, 0, None
+    link_errors: list[int] = []
     # From the no-remat peak down to the smallest feasible budget, and one below it,
     # which must be refused with the smallest feasible budget named.
     budgets = [no_remat - (no_remat - low) * k // (points - 1) for k in range(points)]
@@ -78,16 +92,26 @@ def layout_rows(name: str, points: int, layers: int, seq: int) -> dict:
         fits += measured <= budget
         if budget == no_remat:
             flops_at_peak = plan.recompute_flops
+        # What the plan's recomputation moves between devices beyond the step without
+        # remat: the graph's price, and XLA's collectives (the compile verify made).
+        xla = (lowered_memory(step.function(plan.apply(fun)).lower(*args)).collective_bytes
+               - plain.collective_bytes)
+        link_errors.append(plan.collective_bytes - xla)
         print(f"{format_bytes(budget):>11} {plan.status:>8} {format_bytes(plan.peak_bytes):>11} "
               f"{format_bytes(measured):>11} {error:>+7.2%} "
-              f"{'yes' if measured <= budget else 'NO':>5} {plan.recompute_flops:>16.4g}")
+              f"{'yes' if measured <= budget else 'NO':>5} {plan.recompute_flops:>16.4g} "
+              f"{format_bytes(plan.collective_bytes):>14} {format_bytes(xla):>12}")
     span = f"{min(errors):+.2%} .. {max(errors):+.2%}" if errors else "-"
+    worst = max(link_errors, key=abs, default=0)
+    link = f"{worst / plain.collective_bytes:+.2%}" if plain.collective_bytes else "-"
     print(f"predicted - measured {span}; within budget {fits}/{plans}; refused between the "
           f"smallest and the no-remat peak {refused}; "
           f"at the no-remat peak it recomputes {flops_at_peak} FLOPs "
           f"({time.perf_counter() - started:.0f} s)")
+    print(f"collectives the plans move, graph - XLA, at worst {format_bytes(worst)} "
+          f"({link} of the step's)")
     return {"name": model.name, "no_remat": no_remat, "span": span, "fits": f"{fits}/{plans}",
-            "refused": refused, "flops_at_peak": flops_at_peak}
+            "refused": refused, "flops_at_peak": flops_at_peak, "link": link}
 
 
 def main() -> None:
@@ -95,21 +119,25 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="4 layers, T 64, three budgets")
     parser.add_argument("--points", type=int, help="budgets per layout, the ends included")
     parser.add_argument("layouts", nargs="*", help="dp, fsdp, tp, each optionally with "
-                        "_constrained, and lm_ before one for the LM (default: all twelve)")
+                        "_constrained, and lm_ before one for the LM; mlp_fsdp_gathered "
+                        "(default: all thirteen)")
     opts = parser.parse_args()
     layers, seq = (4, 64) if opts.quick else (8, 128)
     points = opts.points or (QUICK_POINTS if opts.quick else FULL_POINTS)
     names = opts.layouts or [f"{model}{layout}{suffix}" for model in ("", "lm_")
-                             for layout in LAYOUTS for suffix in ("", "_constrained")]
-    if any(name.removeprefix("lm_").split("_")[0] not in LAYOUTS for name in names):
+                             for layout in LAYOUTS for suffix in ("", "_constrained")
+                             ] + [GATHERED]
+    if any(name.removeprefix("lm_").split("_")[0] not in LAYOUTS and name != GATHERED
+           for name in names):
         parser.error(f"layouts are {', '.join(LAYOUTS)}, each optionally with _constrained "
-                     "and lm_ before one for the LM")
+                     f"and lm_ before one for the LM, or {GATHERED}")
     rows = [layout_rows(name, points, layers, seq) for name in names]
     print("\n| layout | no-remat peak per device | predicted - measured | fits | refused "
-          "| FLOPs recomputed at the no-remat peak |\n|---|---|---|---|---|---|")
+          "| FLOPs recomputed at the no-remat peak | collectives, graph - XLA, at worst "
+          "|\n|---|---|---|---|---|---|---|")
     for r in rows:
         print(f"| {r['name']} | {format_bytes(r['no_remat'])} | {r['span']} | {r['fits']} | "
-              f"{r['refused']} | {r['flops_at_peak']} |")
+              f"{r['refused']} | {r['flops_at_peak']} | {r['link']} |")
 
 
 if __name__ == "__main__":
