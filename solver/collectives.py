@@ -32,7 +32,7 @@ from collections.abc import Sequence
 from fractions import Fraction
 
 from optiremat.solver.graph import CostGraph
-from optiremat.solver.nesting import forward_flops
+from optiremat.solver.nesting import nested_nodes
 from optiremat.solver.offload import DEFAULT_DEVICE_FLOP_RATE
 from optiremat.solver.semantics import baseline_evaluation, evaluate
 from optiremat.solver.solution import Solution, SolveOptions
@@ -62,27 +62,19 @@ def priced(graph: CostGraph, options: SolveOptions) -> CostGraph:
                                         "node_collective_bytes": None})
 
 
-def recomputed_sum(graph: CostGraph, column: Sequence[int], kept: Sequence[bool],
-                   groups: Sequence[int] | None) -> int:
-    """``column`` summed over the nodes a plan runs in the backward pass beyond saving
-    everything (``semantics.recompute_flops``'s rule), and over nested groups' second
-    forward pass (``nesting.forward_flops``'s)."""
-    def total(active: Sequence[int]) -> int:
-        return sum(column[n] for n in active)
-
-    added = total(evaluate(graph, kept).active) - total(baseline_evaluation(graph).active)
-    if groups is not None and any(k != 1 for k in groups):
-        added += forward_flops(graph.model_construct(**{**dict(graph), "node_flops": column}),
-                               groups)
-    return added
-
-
 def report(graph: CostGraph, answer: Solution) -> Solution:
-    """An answer found on ``priced(graph, ...)``, in ``graph``'s terms."""
+    """An answer found on ``priced(graph, ...)``, in ``graph``'s terms: what its nodes run
+    in the backward pass beyond saving everything (``semantics.recompute_flops``'s rule)
+    and in nested groups' second forward pass (``nesting.forward_flops``'s), in FLOPs and
+    in collective bytes."""
     update: dict[str, object] = {"graph_hash": graph.content_hash}
     if answer.node_decisions:
-        kept = answer.kept()
-        moved = graph.node_collective_bytes or [0] * graph.num_nodes
-        update["recompute_flops"] = recomputed_sum(graph, graph.node_flops, kept, answer.groups)
-        update["collective_bytes"] = recomputed_sum(graph, moved, kept, answer.groups)
+        runs = [*evaluate(graph, answer.kept()).active, *nested_nodes(graph, answer.groups or ())]
+        baseline = baseline_evaluation(graph).active
+
+        def added(column: Sequence[int]) -> int:
+            return sum(column[n] for n in runs) - sum(column[n] for n in baseline)
+
+        update["recompute_flops"] = added(graph.node_flops)
+        update["collective_bytes"] = added(graph.node_collective_bytes or [0] * graph.num_nodes)
     return answer.model_copy(update=update)

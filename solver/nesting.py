@@ -77,11 +77,16 @@ def lever_options(options: SolveOptions, groups: Sequence[int]) -> SolveOptions:
     return options
 
 
-def forward_flops(graph: CostGraph, groups: Sequence[int]) -> int:
-    """The extra forward pass nested groups run: every equation of a nested region."""
+def nested_nodes(graph: CostGraph, groups: Sequence[int]) -> list[int]:
+    """The nodes the extra forward pass of nested groups runs: every one of a nested region."""
     regions = graph.node_region or [-1] * graph.num_nodes
     nested = {r for r, k in enumerate(groups) if k != 1}
-    return sum(f for r, f in zip(regions, graph.node_flops, strict=True) if r in nested)
+    return [n for n, r in enumerate(regions) if r in nested]
+
+
+def forward_flops(graph: CostGraph, groups: Sequence[int]) -> int:
+    """The FLOPs of the extra forward pass nested groups run."""
+    return sum(graph.node_flops[n] for n in nested_nodes(graph, groups))
 
 
 def choose_groups(graph: CostGraph, budget: int, options: SolveOptions,
