@@ -24,6 +24,7 @@ from optiremat.client.planning import PlanRequest, optimize
 from optiremat.client.plot import plot_frontier
 from optiremat.client.policy import KeyPolicy
 from optiremat.client.remote import RematClient
+from optiremat.client.schedule import ScheduleWarning
 from optiremat.client.sharding import ShardingError
 from optiremat.client.step import StepError, measured_peak
 
@@ -40,6 +41,7 @@ __all__ = [
     "PlanRequest",
     "PlanError",
     "PlacementError",
+    "ScheduleWarning",
     "PlanFile",
     "PlanFileError",
     "ProblemError",

@@ -16,6 +16,7 @@ from optiremat.solver.nesting import forward_flops
 from optiremat.solver.peak import BudgetView
 from optiremat.solver.semantics import Evaluation, evaluate
 from optiremat.solver.solution import Decision, Solution
+from optiremat.solver.step import RegionKind
 from optiremat.solver.units import format_bytes
 
 
@@ -74,7 +75,11 @@ def peak_breakdown(graph: CostGraph, solution: Solution, evaluation: Evaluation)
     groups = solution.groups or [1] * len(step.regions)
     for k, region in enumerate(step.regions):
         per_layer = per_region[k] // region.length
-        where = f"(lax.scan at {region.source})"
+        where = f"({region.describe()})"
+        if region.kind == RegionKind.BLOCK:
+            lines.append(row(f"residuals, region {k}", per_region[k],
+                             f"a checkpoint around the block {where}"))
+            continue
         if groups[k] == 1:
             lines.append(row(f"residuals, region {k}", per_region[k],
                              f"{format_bytes(per_layer)} per layer x {region.length} layers, a "
@@ -93,8 +98,10 @@ def peak_breakdown(graph: CostGraph, solution: Solution, evaluation: Evaluation)
     if per_region[-1] or not step.regions:
         lines.append(row("residuals, elsewhere", per_region[-1], "outside every region"))
     if not step.regions:
-        lines.append("  no lax.scan to place remat in: the plan cannot move the peak. "
-                     "Put repeated layers under lax.scan (nnx.scan, eqx scan-over-layers).")
+        lines.append("  no region to place remat in (no differentiated lax.scan, checkpoint "
+                     "of yours or repeated block holding a matmul): the plan cannot move the "
+                     "peak. Write the layers as lax.scan or a loop of jax.checkpoint blocks, "
+                     "or name them with optimize(..., regions=[scope]).")
     lines += phase_breakdown(graph, solution)
     return lines
 
@@ -112,9 +119,12 @@ def phase_breakdown(graph: CostGraph, solution: Solution) -> list[str]:
     for phase in view.phases:
         if phase.region >= 0:
             region = step.regions[phase.region]
-            where = (f"one layer at a time, {region.length} layers (lax.scan at "
-                     f"{region.source})")
-            working = "working set of one layer's backward (calibrated)"
+            if region.kind == RegionKind.BLOCK:
+                where = f"the {region.describe()}, recomputed once"
+                working = "working set of its backward (calibrated)"
+            else:
+                where = (f"one layer at a time, {region.length} layers ({region.describe()})")
+                working = "working set of one layer's backward (calibrated)"
         else:
             where = "the forward pass's end and the backward of what follows the last region"
             working = "working set (measured)" if step.outside_working_bytes is not None \
@@ -126,7 +136,7 @@ def phase_breakdown(graph: CostGraph, solution: Solution) -> list[str]:
                      f"others live there {format_bytes(phase.fixed_residual_bytes)}, "
                      f"{working} {format_bytes(phase.working_bytes)}")
     if peak is not None:
-        lines.append(f"peak at the {peak.name}, layer by layer" if peak.region >= 0 else
+        lines.append(f"peak at the {peak.name}" if peak.region >= 0 else
                      "peak outside the regions (the head's backward, where the step has one)")
     if solution.working_bytes is not None:
         lines.append(f"  measured for this plan: {format_bytes(solution.working_bytes)} held at "

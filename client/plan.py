@@ -25,8 +25,9 @@ import jax
 from optiremat.client.extract import Traced, graph_of_traced, trace
 from optiremat.client.measure import Residual, backward_flops, saved_residuals
 from optiremat.client.names import tag_every_value
-from optiremat.client.peak.placement import Placement
+from optiremat.client.peak.placement import Placement, keeps_barriers
 from optiremat.client.policy import KeyPolicy
+from optiremat.client.schedule import schedule_advice
 from optiremat.client.step import lowered_peak
 from optiremat.solver.errors import OptirematError
 from optiremat.solver.graph import CostGraph
@@ -134,9 +135,8 @@ class Verification:
         if error < 0:
             return (f"XLA's schedule holds {format_bytes(measured)}, {-error:.0%} more than the "
                     f"predicted {format_bytes(predicted)}: it does not follow the plan's "
-                    "regions. Remat lowers the peak reliably inside lax.scan over layers "
-                    "(nnx.scan, eqx scan-over-layers); XLA reschedules unrolled loops of "
-                    "checkpointed blocks.")
+                    "regions. On CPU, checkpoints in straight-line code need XLA to keep "
+                    "their barriers: " + schedule_advice())
         return (f"XLA's schedule holds {format_bytes(measured)}, {error:.0%} less than the "
                 f"predicted {format_bytes(predicted)}: the plan recomputes more than its budget "
                 "needs. A plan made for other arguments than these (other shapes, or other "
@@ -341,7 +341,8 @@ class PeakPlan(Plan):
                             "device ones. Verify it on a GPU or TPU, or check its residuals "
                             "and host bytes here with peak=False")
         if peak:
-            measured_peak_bytes = lowered_peak(step.function(applied).lower(*args))
+            measured_peak_bytes = lowered_peak(step.function(applied).lower(*args),
+                                               keeps_barriers(self.placement.regions))
         return Verification(self.residual_bytes, sum(r.bytes for r in residuals if not r.host),
                             self.budget_bytes, residuals,
                             predicted_host_bytes=self.host_bytes,

@@ -42,13 +42,16 @@ class PlanRequest:
     refine: bool  # fit a peak plan to its own measured peak
     auto: dict[str, Any]  # budget="auto"'s keywords (client.budget)
     options: dict[str, Any]  # solver.SolveOptions fields
+    scopes: tuple[str, ...] = ()  # name scopes whose equations are the blocks (regions=)
 
     @classmethod
     def of(cls, budget: int | str, tie: bool, keywords: dict[str, Any]) -> PlanRequest:
         options, auto = split_auto_keywords(keywords)
-        return cls(budget=budget, memory=Memory(options.pop("memory", Memory.PEAK)),
+        memory = Memory(options.pop("memory", Memory.PEAK))
+        return cls(budget=budget, memory=memory,
                    step=Step.of(options.pop("argnums", 0), options.pop("donate_argnums", ())),
-                   tie=tie, refine=options.pop("refine", True), auto=auto, options=options)
+                   tie=tie, refine=options.pop("refine", True), auto=auto, options=options,
+                   scopes=_scopes(options.pop("regions", None), memory))
 
     @property
     def offload(self) -> bool:
@@ -58,6 +61,20 @@ class PlanRequest:
         """The budget in bytes (``"auto"`` sized for ``traced``; a residual budget's
         ``"auto"`` also reads ``graph``)."""
         return resolve_budget(self.budget, traced, graph, self.auto, self.step, self.memory)
+
+
+def _scopes(regions: object, memory: Memory) -> tuple[str, ...]:
+    """``optimize(..., regions=[...])``: the name scopes that are the blocks."""
+    if regions is None:
+        return ()
+    if (not isinstance(regions, list | tuple) or not regions
+            or not all(isinstance(r, str) and r.strip("/") for r in regions)):
+        raise PlanError(f"regions= takes a non-empty list of name-scope prefixes (a Flax "
+                        f"module path such as 'layers_', a jax.named_scope), not {regions!r}")
+    if memory != Memory.PEAK:
+        raise PlanError("regions= places remat regions in the training step: it needs "
+                        "memory='peak'")
+    return tuple(regions)
 
 
 def optimize(fun: Callable, *args, budget: int | str, memory: Literal["peak", "residuals"] = "peak",

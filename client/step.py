@@ -37,10 +37,15 @@ class StepError(OptirematError, ValueError):
 MEMORY_ONLY_OPTIONS: dict[str, str | bool] = {"xla_backend_optimization_level": "0"}
 
 
-def compiled_for_memory(lowered: jax.stages.Lowered) -> jax.stages.Compiled:
-    """``lowered`` compiled to read its memory analysis: an executable never to be run."""
+def compiled_for_memory(lowered: jax.stages.Lowered,
+                        keep_barriers: bool = False) -> jax.stages.Compiled:
+    """``lowered`` compiled to read its memory analysis: an executable never to be run.
+    With ``keep_barriers`` (a plan with checkpoints in straight-line code), under the
+    schedule that keeps them apart from the forward pass (``client.schedule``)."""
+    from optiremat.client.schedule import memory_compile_options
     if jax.default_backend() == "cpu":
-        return lowered.compile(MEMORY_ONLY_OPTIONS)
+        extra = memory_compile_options() if keep_barriers else {}
+        return lowered.compile({**MEMORY_ONLY_OPTIONS, **extra})
     return lowered.compile()
 
 
@@ -87,27 +92,30 @@ def measured_peak(compiled: jax.stages.Compiled) -> int:
 # Memory of programs compiled in this process, by program text: planning compiles the step
 # under the plan it answers, and ``verify(peak=True)``, a second ``optimize`` of the same
 # function or a frontier's neighbouring budgets compile the same program again.
-_PEAKS: OrderedDict[tuple[str, str], StepMemoryAnalysis] = OrderedDict()
+_PEAKS: OrderedDict[tuple[str, str, bool], StepMemoryAnalysis] = OrderedDict()
 MAX_REMEMBERED_PEAKS = 1024
 
 
-def lowered_memory(lowered: jax.stages.Lowered) -> StepMemoryAnalysis:
-    """XLA's memory analysis of ``lowered`` compiled; a program this process compiled
-    already (the same StableHLO text on the same platform) is not compiled again."""
-    key = (jax.default_backend(), hashlib.sha256(lowered.as_text().encode()).hexdigest())
+def lowered_memory(lowered: jax.stages.Lowered,
+                   keep_barriers: bool = False) -> StepMemoryAnalysis:
+    """XLA's memory analysis of ``lowered`` compiled (``compiled_for_memory``); a program
+    this process compiled already (the same StableHLO text on the same platform) is not
+    compiled again."""
+    key = (jax.default_backend(), hashlib.sha256(lowered.as_text().encode()).hexdigest(),
+           keep_barriers)
     if key in _PEAKS:
         _PEAKS.move_to_end(key)
         return _PEAKS[key]
-    analysis = StepMemoryAnalysis.of(compiled_for_memory(lowered))
+    analysis = StepMemoryAnalysis.of(compiled_for_memory(lowered, keep_barriers))
     _PEAKS[key] = analysis
     if len(_PEAKS) > MAX_REMEMBERED_PEAKS:
         _PEAKS.popitem(last=False)
     return analysis
 
 
-def lowered_peak(lowered: jax.stages.Lowered) -> int:
+def lowered_peak(lowered: jax.stages.Lowered, keep_barriers: bool = False) -> int:
     """``measured_peak`` of ``lowered`` compiled, remembered as ``lowered_memory``."""
-    return lowered_memory(lowered).peak_bytes
+    return lowered_memory(lowered, keep_barriers).peak_bytes
 
 
 def _as_tuple(argnums: int | Sequence[int]) -> tuple[int, ...]:

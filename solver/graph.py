@@ -42,7 +42,17 @@ SCHEMA_VERSION = 2
 # Version 3 is a graph of a step on a device mesh (``mesh``): its bytes are one device's.
 # A graph on one device keeps version 2, so its JSON and content hash are unchanged.
 MESH_SCHEMA_VERSION = 3
-READABLE_VERSIONS = (1, 2, 3)
+# Version 4 is a graph of a step with a region other than a scan (``RegionMemory.kind``),
+# on one device or a mesh: a build that reads 3 would misprice its blocks as scans.
+KINDS_SCHEMA_VERSION = 4
+READABLE_VERSIONS = (1, 2, 3, 4)
+
+
+def schema_version(mesh: DeviceMesh | None, step: StepMemory | None) -> int:
+    """The version a graph with this mesh and step is written as."""
+    if step is not None and step.has_blocks:
+        return KINDS_SCHEMA_VERSION
+    return SCHEMA_VERSION if mesh is None else MESH_SCHEMA_VERSION
 
 
 class DeviceMesh(BaseModel):
@@ -164,11 +174,17 @@ class CostGraph(BaseModel):
 
     @model_validator(mode="after")
     def _consistent(self) -> CostGraph:
-        if (self.mesh is not None) != (self.schema_version == MESH_SCHEMA_VERSION):
-            raise GraphError(f"schema_version {self.schema_version} with "
-                             f"{'a' if self.mesh is not None else 'no'} mesh: a graph of a "
-                             f"step on a device mesh is version {MESH_SCHEMA_VERSION}, and "
-                             "only such a graph carries one")
+        expected = schema_version(self.mesh, self.step)
+        # A version 1 graph (before steps) reads as version 2.
+        if self.schema_version != expected and (self.schema_version, expected) != (1, 2):
+            blocks = self.step is not None and self.step.has_blocks
+            raise GraphError(
+                f"schema_version {self.schema_version} with "
+                f"{'a' if self.mesh is not None else 'no'} mesh and "
+                f"{'a' if blocks else 'no'} block region: such a graph is version "
+                f"{expected} (a mesh is version "
+                f"{MESH_SCHEMA_VERSION}, a step with a region other than a scan version "
+                f"{KINDS_SCHEMA_VERSION}, else {SCHEMA_VERSION})")
         check_graph(self)
         return self
 
@@ -294,7 +310,7 @@ class GraphBuilder:
             output_ids.extend(n["outputs"])
             output_ptr.append(len(output_ids))
         return CostGraph(
-            schema_version=SCHEMA_VERSION if self.mesh is None else MESH_SCHEMA_VERSION,
+            schema_version=schema_version(self.mesh, self.step),
             mesh=self.mesh,
             name=self.name,
             value_id=list(range(len(self.values))),

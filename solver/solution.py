@@ -6,6 +6,7 @@ import hashlib
 import json
 from collections.abc import Callable
 from enum import StrEnum
+from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, StrictInt
 
@@ -175,10 +176,14 @@ class Solution(BaseModel):
 class InfeasibleBudgetError(OptirematError, ValueError):
     """No plan fits the budget; ``min_budget_bytes`` is the smallest one that does."""
 
-    def __init__(self, budget_bytes: int, min_budget_bytes: int) -> None:
+    def __init__(self, budget_bytes: int, min_budget_bytes: int, why: str = "") -> None:
         self.budget_bytes = budget_bytes
         self.min_budget_bytes = min_budget_bytes
+        self.why = why  # what keeps plans from going lower, and what would help
         super().__init__(
             f"budget of {budget_bytes} bytes is infeasible: the smallest feasible budget "
-            f"for this graph is {min_budget_bytes} bytes"
+            f"for this graph is {min_budget_bytes} bytes" + (f". {why}" if why else "")
         )
+
+    def __reduce__(self) -> tuple[Any, ...]:  # pickled with its reason (the service's workers)
+        return type(self), (self.budget_bytes, self.min_budget_bytes, self.why)

@@ -207,7 +207,7 @@ def test_a_graph_on_a_mesh_is_version_3_and_older_graphs_read_as_one_device() ->
 
 @pytest.mark.parametrize(("version", "mesh", "message"), [
     (2, {"axis_names": ["data"], "axis_sizes": [8]}, "version 3"),
-    (3, None, "only such a graph carries one"),
+    (3, None, "no mesh and no block region: such a graph is version 2"),
     (3, {"axis_names": ["data"], "axis_sizes": [8, 2]}, "one size per axis"),
     (3, {"axis_names": ["data", "data"], "axis_sizes": [2, 2]}, "repeat"),
     (3, {"axis_names": ["data"], "axis_sizes": [0]}, "axis_sizes"),
@@ -216,3 +216,34 @@ def test_a_mesh_and_its_version_go_together(version: int, mesh: dict | None,
                                              message: str) -> None:
     with pytest.raises(ValueError, match=message):
         CostGraph(**{**base(), "schema_version": version, "mesh": mesh})
+
+
+BLOCK = {"source": "model.py:3", "length": 1, "working_bytes": 4, "carry_bytes": 8,
+         "kind": "block", "found": "repeated"}
+
+
+def _with_regions(version: int, *regions: dict) -> dict:
+    return {**base(), "schema_version": version,
+            "step": {"argument_bytes": 8, "output_bytes": 8, "regions": list(regions)}}
+
+
+def test_a_block_region_is_version_4_and_round_trips() -> None:
+    graph = CostGraph(**_with_regions(4, BLOCK))
+    assert graph.step is not None and graph.step.regions[0].kind == "block"
+    assert CostGraph.model_validate_json(graph.canonical_json()) == graph
+    scan = {"source": "model.py:9", "length": 3, "working_bytes": 4}
+    scans_only = CostGraph(**_with_regions(2, scan))
+    assert "kind" not in scans_only.canonical_json()  # a scan's graph keeps its JSON
+
+
+@pytest.mark.parametrize(("version", "region", "message"), [
+    (2, BLOCK, "block region: such a graph is version 4"),
+    (4, {"source": "s", "length": 3, "working_bytes": 4}, "version 2"),
+    (4, {**BLOCK, "found": "scan"}, "cannot be found as 'scan'"),
+    (4, {**BLOCK, "length": 2}, "runs once"),
+    (4, {**BLOCK, "kind": "loop"}, "kind"),
+])
+def test_region_kinds_and_the_version_go_together(version: int, region: dict,
+                                                  message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        CostGraph(**_with_regions(version, region))

@@ -29,7 +29,7 @@ from optiremat.client.extract.state import (
     primal_mode,
 )
 from optiremat.client.keys import policy_key
-from optiremat.client.peak.placement import RegionMarker
+from optiremat.client.peak.finding import RegionMarker
 from optiremat.client.primitives import Role, body, info, unknown_body
 from optiremat.client.sharding import MeshLayout, collective_bytes
 from optiremat.solver.graph import GraphBuilder, NodeMode

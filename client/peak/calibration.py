@@ -30,14 +30,11 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
-import jax.numpy as jnp
-from jax import lax
 
-import optiremat.client._jax_internals as jx
 from optiremat.client.extract.state import HALF_FLOATS, widens_stacked_halves
-from optiremat.client.peak.placement import Region
+from optiremat.client.peak.block_region import BlockRegion
+from optiremat.client.peak.regions import Region
 from optiremat.client.policy import KeyPolicy
-from optiremat.client.sharding import Spec
 from optiremat.solver.graph import CostGraph
 from optiremat.solver.peak import priced_extra_bytes, step_phases, value_weights
 from optiremat.solver.semantics import evaluate
@@ -71,8 +68,7 @@ def assumed_working_bytes(region: Region) -> int:
 
 
 def _working_set(region: Region, saved_keys: frozenset[str] | None) -> tuple[int, int]:
-    key = (str(region.body), region.num_consts, region.num_carry, region.differentiated,
-           jax.default_backend(), saved_keys, region.layout, region.operand_specs)
+    key = (region.calibration_key, jax.default_backend(), saved_keys)
     if key not in _measured:
         _measured[key] = _measure(region, saved_keys)
     return _measured[key]
@@ -84,8 +80,9 @@ def _measure(region: Region, saved_keys: frozenset[str] | None) -> tuple[int, in
     from optiremat.client.step import compiled_for_memory, memory_analysis
     from optiremat.solver.step import StepMemory
 
-    program, args, flags = _calibration_program(region, saved_keys)
-    compiled = compiled_for_memory(jax.jit(jax.grad(program)).lower(*args))
+    program, args, flags = region.calibration_program(saved_keys, _policy)
+    compiled = compiled_for_memory(jax.jit(jax.grad(program)).lower(*args),
+                                   keep_barriers=isinstance(region, BlockRegion))
     temp = memory_analysis(compiled).temp_size_in_bytes
     # Extracted as a step's graph is (``step_memory`` given), so that it prices the same
     # widened copies of stacked half floats.
@@ -95,22 +92,8 @@ def _measure(region: Region, saved_keys: frozenset[str] | None) -> tuple[int, in
     arguments = {graph.value_index[v] for v in graph.inputs}
     stacked = [v for v in evaluation.residuals if v not in arguments]
     extra = graph.value_extra_bytes or [0] * graph.num_values
-    # Less one layer's input: the scan stacks every layer's input, the first one's
-    # too, which is an argument here (priced at nothing) and in the step a value its
-    # graph prices where it is made. Measured: without this the prediction ran one
-    # carry high on every model of the scan corpus (two on CPU for bf16: its f32 copy).
-    carries = range(region.num_consts, region.num_consts + region.num_carry)
-    first_input = sum(region.operand_bytes(i) * (2 if _widened(a) else 1)
-                      for i, a in zip(carries, region.carry_avals, strict=True))
-    # Plus the cotangent of the last layer's output, which the step's backward hands the
-    # region and holds through it; this program's is a broadcast of ones XLA never makes.
-    # Measured: without it the layers' phase ran one carry low on the scan corpus once
-    # the residuals outside the region (the last layer's output among them) left it.
-    cotangent = sum(region.operand_bytes(i)
-                    for i, a in zip(carries, region.carry_avals, strict=True)
-                    if jnp.issubdtype(a.dtype, jnp.inexact))
-    held = (temp - sum(graph.value_bytes[v] for v in stacked) - first_input + cotangent
-            + SCALARS_BYTES)
+    held = (temp - sum(graph.value_bytes[v] for v in stacked)
+            + region.calibration_correction(_widened) + SCALARS_BYTES)
     return max(held, 0), sum(extra[v] for v in stacked)
 
 
@@ -150,9 +133,12 @@ def calibrate_phases(graph: CostGraph, regions: Sequence[Region],
     if outside_sets_it(lean, [p.fixed_bytes for p in phases[:-1]]):
         return step.model_copy(update={"outside_working_bytes": max(lean, 0)})
     memories = list(step.regions)
-    if len(memories) == 1:  # its backward set the peak: its working set as the step holds it
-        in_step = lean + outside_share - phases[0].fixed_residual_bytes
-        memories[0] = memories[0].model_copy(update={"working_bytes": max(in_step, 0)})
+    if _one_program(regions):
+        # Its backward set the peak (the first of identical blocks' does): the working
+        # set as the step holds it.
+        for k, phase in enumerate(phases[:-1]):
+            in_step = lean + outside_share - phase.fixed_residual_bytes
+            memories[k] = memories[k].model_copy(update={"working_bytes": max(in_step, 0)})
     every = frozenset(k for k in graph.node_key if k)
     extra = priced_extra_bytes(graph, [True] * graph.num_nodes)
     saving = [working_bytes(r, every) - extra - assumed_working_bytes(r) + m.working_bytes
@@ -164,59 +150,20 @@ def calibrate_phases(graph: CostGraph, regions: Sequence[Region],
                                    "regions": memories})
 
 
+def _one_program(regions: Sequence[Region]) -> bool:
+    """One region, or blocks that are all the same code (the layers of a Python loop)."""
+    return len(regions) == 1 or (all(isinstance(r, BlockRegion) for r in regions)
+                                 and len({r.program for r in regions}) == 1)
+
+
 def _widened(aval) -> bool:
     """Whether XLA keeps an f32 copy of this value where a scan stacks it (half floats)."""
     return widens_stacked_halves() and str(aval.dtype) in HALF_FLOATS
 
 
-def _calibration_program(region: Region, saved_keys: frozenset[str] | None):
-    """The region's scan with its body under ``nothing_saveable`` (or saving
-    ``saved_keys``); a scalar of all its outputs. Differentiated operands come first,
-    as one argument, as in the step."""
-    body, nc, nk = region.body, region.num_consts, region.num_carry
-    length = region.length
-    avals = list(body.in_avals)
-    specs = list(region.operand_specs or [None] * len(avals))
-
-    def struct(shape: tuple[int, ...], dtype: Any, spec: Any) -> jax.ShapeDtypeStruct:
-        # On a mesh, each operand split as the step splits it: the compile is partitioned
-        # as the step's is, and its figures are one device's.
-        if region.layout is None:
-            return jax.ShapeDtypeStruct(shape, dtype)
-        return jax.ShapeDtypeStruct(shape, dtype, sharding=region.layout.sharding(spec))
-
-    def stacked_spec(spec: Spec | None) -> Spec | None:  # the layers' axis is whole
-        return None if spec is None else ((), *spec)
-
-    structs = [struct(a.shape, a.dtype, specs[i]) for i, a in enumerate(avals[:nc + nk])] + [
-        struct((length, *a.shape), a.dtype, stacked_spec(specs[i]))
-        for i, a in enumerate(avals[nc + nk:], start=nc + nk)]
-    diff = [i for i, d in enumerate(region.differentiated) if d]
-    rest = [i for i, d in enumerate(region.differentiated) if not d]
-
-    def layer(*inputs):
-        return jx.eval_jaxpr(body.jaxpr, body.consts, *inputs)
-
-    policy = (jax.checkpoint_policies.nothing_saveable if saved_keys is None
-              else KeyPolicy(saved_keys))
-    checkpointed = jax.checkpoint(layer, policy=policy, prevent_cse=False)
-
-    def program(differentiated: Sequence, others: Sequence):
-        operands: list = [None] * len(structs)
-        for i, x in zip(diff, differentiated, strict=True):
-            operands[i] = x
-        for i, x in zip(rest, others, strict=True):
-            operands[i] = x
-        consts, init, xs = operands[:nc], operands[nc:nc + nk], operands[nc + nk:]
-
-        def step(carry, x):
-            out = checkpointed(*consts, *carry, *x)
-            return list(out[:nk]), list(out[nk:])
-
-        carry, ys = lax.scan(step, list(init), list(xs), length=length)
-        return sum((jnp.sum(o.astype(jnp.float32)) for o in [*carry, *ys]
-                    if jnp.issubdtype(o.dtype, jnp.inexact)), jnp.float32(0))
-
-    args = ([structs[i] for i in diff], [structs[i] for i in rest])
-    flags = [True] * len(diff) + [False] * len(rest)
-    return program, args, flags
+def _policy(saved_keys: frozenset[str] | None) -> Any:
+    """What a calibration runs its region under: ``nothing_saveable``, or saving the
+    policy keys ``saved_keys``."""
+    if saved_keys is None:
+        return jax.checkpoint_policies.nothing_saveable
+    return KeyPolicy(saved_keys)

@@ -8,18 +8,35 @@ the step compiled with the plan applied (``client.peak.refine``).
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
+import optiremat.client._jax_internals as jx
 from optiremat.client.extract import Traced
+from optiremat.client.peak.block_region import BlockRegion
+from optiremat.client.peak.finding import why_no_regions
 from optiremat.client.peak.placement import Placement
 from optiremat.client.peak.refine import refined_solve, step_measure
+from optiremat.client.peak.regions import Region
 from optiremat.client.peak.step_graph import traced_step_extraction
 from optiremat.client.plan import PeakPlan, PlanError, SolveFn
-from optiremat.solver.solution import Solution
+from optiremat.client.schedule import ScheduleWarning, barriers_kept, schedule_advice
+from optiremat.solver.solution import InfeasibleBudgetError, Solution
 
 if TYPE_CHECKING:
     from optiremat.client.planning import PlanRequest
+
+
+def warn_if_unscheduled(regions: Sequence[Region]) -> None:
+    """Warn where this process's compiles would merge checkpoints in straight-line code
+    back into the forward pass, so that the plan's peak is not what the user gets."""
+    if any(isinstance(r, BlockRegion) for r in regions) and not barriers_kept():
+        warnings.warn(ScheduleWarning(
+            "the plan checkpoints blocks of straight-line code, and this process's XLA "
+            "merges their recomputation back into the forward pass, so they lower the peak "
+            "only where its barriers are kept (the plan is measured that way): "
+            + schedule_advice()), stacklevel=5)
 
 
 def plan_peak(fun: Callable, traced: Traced, args: Sequence, request: PlanRequest,
@@ -32,7 +49,7 @@ def plan_peak(fun: Callable, traced: Traced, args: Sequence, request: PlanReques
     # An offload plan may offload each layer's input too: it is named for the policy.
     extracted = traced_step_extraction(traced, args, request.step,
                                        name=getattr(fun, "__qualname__", ""),
-                                       name_inputs=request.offload)
+                                       name_inputs=request.offload, scopes=request.scopes)
     graph, options = extracted.graph, dict(request.options)
 
     def solve_at(budget: int) -> Solution:
@@ -42,10 +59,19 @@ def plan_peak(fun: Callable, traced: Traced, args: Sequence, request: PlanReques
                           name_inputs=request.offload)
     # Offload plans are not refined: on CPU, XLA's memory analysis counts host
     # buffers as device ones, so their peak cannot be measured here.
-    if request.refine and not request.offload:
-        solution = refined_solve(graph, extracted.regions, budget_bytes, solve_at,
-                                 step_measure(fun, args, extracted, placement))
-    else:
-        solution = solve_at(budget_bytes)
+    warn_if_unscheduled(extracted.regions)
+    try:
+        if request.refine and not request.offload:
+            solution = refined_solve(graph, extracted.regions, budget_bytes, solve_at,
+                                     step_measure(fun, args, extracted, placement))
+        else:
+            solution = solve_at(budget_bytes)
+    except InfeasibleBudgetError as err:
+        if extracted.regions or err.why:
+            raise
+        why = why_no_regions(jx.ClosedJaxpr(traced.open_jaxpr, traced.consts),
+                             extracted.differentiated)
+        raise InfeasibleBudgetError(err.budget_bytes, err.min_budget_bytes,
+                                    f"No plan can lower the peak: {why}") from None
     return PeakPlan(graph, solution, traced, options,
                     key_aliases=extracted.extraction.key_aliases, placement=placement)

@@ -39,7 +39,7 @@ from typing import Protocol
 import jax
 
 from optiremat.client.peak.calibration import assumed_working_bytes, working_bytes
-from optiremat.client.peak.placement import Placement, Region
+from optiremat.client.peak.placement import Placement, Region, keeps_barriers
 from optiremat.client.peak.step_graph import StepExtraction
 from optiremat.client.policy import KeyPolicy
 from optiremat.client.step import lowered_peak
@@ -156,7 +156,8 @@ def step_measure(fun: Callable, args: Sequence, extracted: StepExtraction,
             return placement.evaluate(extracted.traced, jax.tree_util.tree_leaves(args),
                                       KeyPolicy(expanded), groups)
 
-        return lowered_peak(placement.step.function(applied).lower(*args))
+        return lowered_peak(placement.step.function(applied).lower(*args),
+                            keeps_barriers(placement.regions))
 
     return StepMeasure(extracted.graph, peak_of)
 

@@ -17,17 +17,13 @@ import optiremat.client._jax_internals as jx
 from optiremat.client.extract.graphs import Extraction, graph_of_traced
 from optiremat.client.extract.tracing import Traced, trace
 from optiremat.client.peak.calibration import assumed_working_bytes, calibrate_phases
-from optiremat.client.peak.placement import (
-    Placement,
-    Region,
-    RegionMarker,
-    find_regions,
-    place,
-)
+from optiremat.client.peak.finding import RegionMarker, find_regions
+from optiremat.client.peak.placement import Placement, keeps_barriers, place
+from optiremat.client.peak.regions import Region
 from optiremat.client.sharding import propagate
 from optiremat.client.step import Step, StepMemoryAnalysis, lowered_memory
 from optiremat.solver.graph import CostGraph
-from optiremat.solver.step import RegionMemory, StepMemory
+from optiremat.solver.step import StepMemory
 
 
 @dataclass(frozen=True)
@@ -38,6 +34,7 @@ class StepExtraction:
     regions: tuple[Region, ...]
     differentiated: tuple[bool, ...]  # per flattened argument: whether the step differentiates it
     traced: Traced  # the function, traced once: every later compile evaluates its jaxpr
+    scopes: tuple[str, ...] = ()  # the name scopes its blocks were found by, if any
 
     @property
     def graph(self) -> CostGraph:
@@ -45,30 +42,31 @@ class StepExtraction:
 
 
 def step_extraction(fun: Callable, args: Sequence, step: Step, *, name: str = "",
-                    name_inputs: bool = False) -> StepExtraction:
+                    name_inputs: bool = False, scopes: Sequence[str] = ()) -> StepExtraction:
     """The cost graph of ``step`` (``jax.jit(jax.grad(fun, argnums))``) with a remat
     region in every differentiated ``lax.scan`` (``client.peak.placement``), and what
     the step holds and each region's working set (one compile per distinct layer).
     With ``name_inputs`` each layer's input is offered to the plan too (to offload)."""
     return traced_step_extraction(trace(fun, args, {}), args, step, name=name,
-                                  name_inputs=name_inputs)
+                                  name_inputs=name_inputs, scopes=scopes)
 
 
 def traced_step_extraction(traced: Traced, args: Sequence, step: Step, *, name: str = "",
-                           name_inputs: bool = False) -> StepExtraction:
+                           name_inputs: bool = False,
+                           scopes: Sequence[str] = ()) -> StepExtraction:
     """``step_extraction`` of a function already traced at ``args``: every later trace
     and compile evaluates its jaxpr, never the function again."""
     step.check(args)
     traced.check_differentiable()  # before the compiles that measure working sets
     flags = step.differentiated(args)
     closed = jx.ClosedJaxpr(traced.open_jaxpr, traced.consts)
-    regions = tuple(find_regions(closed, flags))
+    regions = tuple(find_regions(closed, flags, scopes))
     if traced.layout is not None:  # each layer's operands split as the step splits them
         _, specs = propagate(traced.closed.jaxpr, [*[None] * traced.num_consts,
                                                    *traced.layout.argument_specs],
                              traced.layout.sizes)
         regions = tuple(replace(r, layout=traced.layout,
-                                operand_specs=tuple(specs.get(v) for v in r.body.jaxpr.invars))
+                                operand_specs=tuple(specs.get(v) for v in r.operand_vars))
                         for r in regions)
     markers = [RegionMarker(r.index) for r in regions]
 
@@ -81,7 +79,7 @@ def traced_step_extraction(traced: Traced, args: Sequence, step: Step, *, name: 
         """XLA's memory analysis of the step with every region under ``policy``."""
         def placed(*args):
             return every_layer.evaluate(traced, jax.tree_util.tree_leaves(args), policy)
-        return lowered_memory(step.function(placed).lower(*args))
+        return lowered_memory(step.function(placed).lower(*args), keeps_barriers(regions))
 
     if traced.layout is None:
         arguments, outputs, aliases = step.held_memory(args)
@@ -92,28 +90,28 @@ def traced_step_extraction(traced: Traced, args: Sequence, step: Step, *, name: 
         held = step_memory(jax.checkpoint_policies.nothing_saveable)
         arguments, outputs, aliases = held.argument_bytes, held.output_bytes, held.alias_bytes
     memory = StepMemory(argument_bytes=arguments, output_bytes=outputs, alias_bytes=aliases,
-                        regions=[RegionMemory(source=r.source, length=r.length,
-                                              working_bytes=assumed_working_bytes(r),
-                                              carry_bytes=r.carry_bytes,
-                                              slice_bytes=r.xs_bytes + r.xs_gradient_bytes,
-                                              nestable=not r.reverse) for r in regions])
+                        regions=[r.memory(assumed_working_bytes(r)) for r in regions])
     extraction = graph_of_traced(trace(marked, traced.flat_args, {}), name=name, step=True,
                                  differentiated=flags, step_memory=memory)
 
     calibrated = calibrate_phases(extraction.graph, regions,
                                   lambda policy: step_memory(policy).peak_bytes)
     graph = CostGraph.model_construct(**{**dict(extraction.graph), "step": calibrated})
-    return StepExtraction(replace(extraction, graph=graph), regions, tuple(flags), traced)
+    return StepExtraction(replace(extraction, graph=graph), regions, tuple(flags), traced,
+                          tuple(scopes))
 
 
 def extract_step(fun: Callable, *args, argnums: int | Sequence[int] = 0,
-                 donate_argnums: int | Sequence[int] = (), name_inputs: bool = False) -> CostGraph:
+                 donate_argnums: int | Sequence[int] = (), name_inputs: bool = False,
+                 regions: Sequence[str] = ()) -> CostGraph:
     """The cost graph of the training step ``jax.jit(jax.grad(fun, argnums))`` at
-    ``args``: a remat region in every differentiated ``lax.scan``, and what the step
-    holds (one compile per distinct layer measures its working set). Solving it
-    plans peak budgets; ``optiremat.optimize`` is this and a solve. ``name_inputs``
-    names each layer's input inside its checkpoint, so that an offload plan may move
-    the stacked inputs to host memory (``client.peak.placement.LAYER_INPUT``)."""
+    ``args``: a remat region in every differentiated ``lax.scan``, every checkpoint the
+    user wrote and every repeated block of straight-line code (or, with ``regions``, the
+    blocks under those name scopes), and what the step holds (one compile per distinct
+    region measures its working set). Solving it plans peak budgets;
+    ``optiremat.optimize`` is this and a solve. ``name_inputs`` names each layer's input
+    inside its checkpoint, so that an offload plan may move the stacked inputs to host
+    memory (``client.peak.regions.LAYER_INPUT``)."""
     name = getattr(fun, "__qualname__", getattr(fun, "__name__", ""))
     return step_extraction(fun, args, Step.of(argnums, donate_argnums), name=name,
-                           name_inputs=name_inputs).graph
+                           name_inputs=name_inputs, scopes=tuple(regions)).graph

@@ -1,0 +1,293 @@
+"""Where a traced function's remat regions are (``client.peak.regions``).
+
+One walk over the function's jaxpr, through call-like equations (``jit``,
+``closed_call``; ``custom_jvp_call``'s outer call is not entered: JAX
+differentiates its rule, not its body), tracking which values carry a tangent.
+At each jaxpr it meets, in program order:
+
+* a differentiated ``lax.scan`` is a ``ScanRegion``;
+* a checkpoint the user wrote around differentiated code (and no scan) is a
+  ``BlockRegion`` whose policy becomes the plan's;
+* with ``scopes``, the equations under each named scope are a block each;
+  without, the repeated units of straight-line code (``client.peak.repeats``):
+  layers a Python loop unrolled, each a block.
+
+A scan inside a ``cond`` or ``while_loop`` (run a data-dependent number of
+times) cannot be given a static place: an error names it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import optiremat.client._jax_internals as jx
+from optiremat.client.cost_model import aval_bytes
+from optiremat.client.peak.block_region import BlockRegion
+from optiremat.client.peak.regions import (
+    PlacementError,
+    Region,
+    called,
+    differentiated_outputs,
+    eqn_signature,
+    interface,
+)
+from optiremat.client.peak.repeats import crossing_bytes, repeated_runs
+from optiremat.client.peak.scan_region import ScanRegion
+from optiremat.client.primitives import Role, info
+from optiremat.solver.step import RegionFound
+
+# Control flow whose body JAX may run a data-dependent number of times: a scan
+# inside one cannot be given a static place (nor a predictable peak).
+UNPLACEABLE_PARENTS = {Role.COND: "cond", Role.WHILE: "while_loop"}
+# What makes a block worth checkpointing: it holds a matmul or a convolution.
+ANCHORS = {"dot_general", "conv_general_dilated"}
+# How many of the scopes seen an error lists.
+SCOPES_LISTED = 24
+
+
+@dataclass(frozen=True)
+class RegionMarker:
+    """The policy of a region while it is extracted: the walker recognises its
+    checkpoints by this object and leaves their equations to the solver."""
+
+    index: int
+
+    def __call__(self, prim, *avals, **params):  # never consulted: extraction only traces
+        return jx.Recompute
+
+
+def is_scan_region(eqn, ins: Sequence[bool]) -> bool:
+    """A differentiated scan that runs: a scan of length 0 is left as it is, for the
+    extraction to refuse with its place in the user's code."""
+    return info(eqn.primitive).role == Role.SCAN and any(ins) and int(eqn.params["length"]) > 0
+
+
+def subjaxprs(eqn) -> list[jx.Jaxpr]:
+    """The jaxprs an equation runs (call bodies, branches, loop bodies)."""
+    found = []
+    for param in eqn.params.values():
+        for p in param if isinstance(param, tuple | list) else (param,):
+            if isinstance(p, jx.ClosedJaxpr):
+                found.append(p.jaxpr)
+            elif isinstance(p, jx.Jaxpr):
+                found.append(p)
+    return found
+
+
+def holds(eqn, primitives: set[str]) -> bool:
+    """Whether ``eqn`` is, or runs, one of ``primitives``."""
+    if eqn.primitive.name in primitives:
+        return True
+    return any(holds(e, primitives) for sub in subjaxprs(eqn) for e in sub.eqns)
+
+
+def holds_scan(eqn) -> bool:
+    return any(info(e.primitive).role == Role.SCAN or holds_scan(e)
+               for sub in subjaxprs(eqn) for e in sub.eqns)
+
+
+def flags_through(jaxpr: jx.Jaxpr, flags_in: Sequence[bool]) -> tuple[list[list[bool]], dict]:
+    """Per equation, which of its inputs carry a tangent; and per variable."""
+    env = dict(zip(jaxpr.invars, flags_in, strict=True))
+
+    def read(x) -> bool:
+        return False if isinstance(x, jx.Literal) else env.get(x, False)
+
+    per_eqn = []
+    for eqn in jaxpr.eqns:
+        ins = [read(x) for x in eqn.invars]
+        per_eqn.append(ins)
+        if info(eqn.primitive).role == Role.CALL:
+            inner = called(eqn).jaxpr
+            inner_ins, inner_env = flags_through(inner, ins)
+            outs = [False if isinstance(x, jx.Literal) else inner_env.get(x, False)
+                    for x in inner.outvars]
+        else:
+            outs = differentiated_outputs(eqn, ins)
+        env.update(zip(eqn.outvars, outs, strict=True))
+    return per_eqn, env
+
+
+@dataclass
+class _Finder:
+    scopes: tuple[str, ...]
+    found: list[Region] = field(default_factory=list)
+    matched: set[str] = field(default_factory=set)
+    seen: set[str] = field(default_factory=set)
+
+    def walk(self, jaxpr: jx.Jaxpr, flags_in: Sequence[bool], path: tuple[int, ...],
+             inside: str | None, prefix: str = "") -> None:
+        ins_of, env = flags_through(jaxpr, flags_in)
+        claims = {} if inside is not None else self.claims(jaxpr, ins_of, prefix)
+        last_read = last_reads(jaxpr)
+        i = 0
+        while i < len(jaxpr.eqns):
+            if i in claims:
+                end, how = claims[i]
+                self.found.append(self.block(jaxpr, i, end, how, path, env, last_read))
+                i = end
+                continue
+            eqn, ins = jaxpr.eqns[i], ins_of[i]
+            role = info(eqn.primitive).role
+            if role == Role.CALL:
+                self.walk(called(eqn).jaxpr, ins, (*path, i), inside,
+                          _joined(prefix, str(eqn.source_info.name_stack)))
+            elif is_scan_region(eqn, ins):
+                if inside is not None:
+                    raise PlacementError(
+                        f"a differentiated lax.scan at {jx.source_of(eqn)} sits inside a "
+                        f"{inside}: its layers cannot be given remat regions. Move the scan "
+                        f"out of the {inside}, or plan with memory='residuals'.")
+                self.found.append(ScanRegion.of(len(self.found), path, i, eqn, ins))
+            elif role in UNPLACEABLE_PARENTS and any(ins):
+                for sub in subjaxprs(eqn):
+                    self.walk(sub, [True] * len(sub.invars), (*path, i),
+                              UNPLACEABLE_PARENTS[role])
+            i += 1
+
+    def block(self, jaxpr: jx.Jaxpr, start: int, end: int, how: RegionFound,
+              path: tuple[int, ...], env: dict, last_read: dict) -> BlockRegion:
+        eqns = jaxpr.eqns[start:end]
+        inputs, outputs = interface(eqns, {v for v, u in last_read.items() if u >= end})
+        return BlockRegion(index=len(self.found), path=path, start=start, end=end,
+                           source=jx.source_of(eqns[0]),
+                           differentiated=tuple(bool(env.get(v, False)) for v in inputs),
+                           how=how, eqns=tuple(eqns), inputs=tuple(inputs),
+                           outputs=tuple(outputs))
+
+    def claims(self, jaxpr: jx.Jaxpr, ins_of: Sequence[Sequence[bool]],
+               prefix: str) -> dict[int, tuple[int, RegionFound]]:
+        """The blocks of this jaxpr: start -> (end, how it was found)."""
+        eqns = jaxpr.eqns
+        claims: dict[int, tuple[int, RegionFound]] = {}
+        barrier = [False] * len(eqns)
+        for i, eqn in enumerate(eqns):
+            role = info(eqn.primitive).role
+            if role == Role.CHECKPOINT:
+                barrier[i] = True
+                user_wrote = not isinstance(eqn.params.get("policy"), RegionMarker)
+                if user_wrote and any(ins_of[i]) and not holds_scan(eqn):
+                    claims[i] = (i + 1, RegionFound.CHECKPOINT)
+            elif role in (Role.SCAN, Role.WHILE) or holds_scan(eqn):
+                barrier[i] = True
+        if self.scopes:
+            spans = self.scoped(eqns, prefix, barrier)
+            how = RegionFound.SCOPE
+        else:
+            spans = self.repeated(jaxpr, barrier)
+            how = RegionFound.REPEATED
+        for start, end in spans:
+            if any(any(ins_of[k]) for k in range(start, end)):
+                claims[start] = (end, how)
+        return claims
+
+    def repeated(self, jaxpr: jx.Jaxpr, barrier: Sequence[bool]) -> list[tuple[int, int]]:
+        eqns = jaxpr.eqns
+        signatures: list[object] = [("barrier", i) if barrier[i] else eqn_signature(e)
+                                    for i, e in enumerate(eqns)]
+        anchors = [not barrier[i] and holds(e, ANCHORS) for i, e in enumerate(eqns)]
+        if sum(anchors) < 2:
+            return []
+        defined: dict = {}
+        for i, eqn in enumerate(eqns):
+            for v in eqn.outvars:
+                defined[v] = i
+        last_read = last_reads(jaxpr)
+        made = [v for v in defined if v in last_read]
+        crossing = crossing_bytes([defined[v] for v in made], [last_read[v] for v in made],
+                                  [aval_bytes(v.aval) for v in made], len(eqns))
+        return [unit for run in repeated_runs(signatures, anchors, crossing)
+                for unit in run.units()]
+
+    def scoped(self, eqns: Sequence, prefix: str,
+               barrier: Sequence[bool]) -> list[tuple[int, int]]:
+        """Consecutive equations under the same instance of a named scope."""
+        spans: list[tuple[int, int]] = []
+        current: tuple[str, int] | None = None
+        for i, eqn in enumerate(eqns):
+            name = _joined(prefix, str(eqn.source_info.name_stack))
+            if name:
+                self.seen.add("/".join(name.split("/")[:2]))
+            instance = None if barrier[i] else self.instance(name)
+            if current is not None and instance != current[0]:
+                spans.append((current[1], i))
+                current = None
+            if instance is not None and current is None:
+                current = (instance, i)
+        if current is not None:
+            spans.append((current[1], len(eqns)))
+        return spans
+
+    def instance(self, name: str) -> str | None:
+        """The scope instance ``name`` is under, for the first scope that matches it:
+        ``layers_`` matches ``model/layers_3/mlp`` as ``model/layers_3``."""
+        padded = "/" + name
+        for scope in self.scopes:
+            at = padded.find("/" + scope.strip("/"))
+            if at < 0:
+                continue
+            self.matched.add(scope)
+            end = padded.find("/", at + 1 + len(scope.strip("/")))
+            return padded[1:] if end < 0 else padded[1:end]
+        return None
+
+
+def _joined(prefix: str, name: str) -> str:
+    return f"{prefix}/{name}" if prefix and name else prefix or name
+
+
+def last_reads(jaxpr: jx.Jaxpr) -> dict:
+    """Per variable, the last equation that reads it (``len(eqns)``: an output)."""
+    last: dict = {}
+    for i, eqn in enumerate(jaxpr.eqns):
+        for x in eqn.invars:
+            if not isinstance(x, jx.Literal):
+                last[x] = i
+    for x in jaxpr.outvars:
+        if not isinstance(x, jx.Literal):
+            last[x] = len(jaxpr.eqns)
+    return last
+
+
+def find_regions(closed: jx.ClosedJaxpr, differentiated: Sequence[bool],
+                 scopes: Sequence[str] = ()) -> list[Region]:
+    """The regions of a traced function whose inputs ``differentiated`` get tangents,
+    in program order; with ``scopes`` (name-stack prefixes: a Flax module path, a
+    ``jax.named_scope``), the blocks are those scopes' equations instead of the
+    repeated ones.
+
+    Raises PlacementError for a differentiated scan that cannot be placed (one inside
+    a ``cond`` or ``while_loop``), and for a scope that names no equation.
+    """
+    finder = _Finder(tuple(scopes))
+    finder.walk(closed.jaxpr, differentiated, (), None)
+    missing = [s for s in scopes if s not in finder.matched]
+    if missing:
+        seen = sorted(finder.seen)
+        listed = ", ".join(seen[:SCOPES_LISTED]) + (" ..." if len(seen) > SCOPES_LISTED else "")
+        raise PlacementError(
+            f"regions={list(missing)} names no equation of the function: no name scope "
+            f"starts with it. Scopes seen: {listed or 'none (the function names no scope)'}")
+    return finder.found
+
+
+def why_no_regions(closed: jx.ClosedJaxpr, differentiated: Sequence[bool]) -> str:
+    """Why a function has no region to checkpoint, and what would help: for an error
+    refusing a budget below its no-remat peak."""
+    kinds = {info(e.primitive).role for e in _all_eqns(closed.jaxpr)}
+    if Role.WHILE in kinds:
+        return ("its only loops are while_loops (a checkpointed scan such as "
+                "eqx.internal.scan(kind='checkpointed') is one), which JAX cannot place "
+                "remat in; write the layers as lax.scan or a Python loop")
+    return ("it has no differentiated lax.scan, no checkpoint of yours and no repeated "
+            "block holding a matmul: write the layers as lax.scan (nn.scan, nnx.scan, "
+            "eqx scans), wrap each in jax.checkpoint, or name them with "
+            "optimize(..., regions=[scope])")
+
+
+def _all_eqns(jaxpr: jx.Jaxpr):
+    for eqn in jaxpr.eqns:
+        yield eqn
+        for sub in subjaxprs(eqn):
+            yield from _all_eqns(sub)

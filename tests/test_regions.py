@@ -1,0 +1,206 @@
+"""Regions beyond lax.scan: repeated blocks, the user's checkpoints, named scopes.
+
+Small unrolled models (a few layers, D 64) planned end to end: the regions found,
+plans exact against XLA's peak of the step with the plan applied, gradients equal
+to the function's own, and the errors that say why a budget cannot be met.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import optiremat
+from optiremat.client.peak.finding import find_regions
+from optiremat.client.peak.placement import Placement, keeps_barriers
+from optiremat.client.peak.repeats import Run, crossing_bytes, repeated_runs
+from optiremat.client.peak.step_graph import step_extraction
+from optiremat.client.schedule import ScheduleWarning, barriers_kept
+from optiremat.client.step import Step, lowered_peak
+from optiremat.solver.graph import KINDS_SCHEMA_VERSION, CostGraph
+from optiremat.solver.solution import InfeasibleBudgetError
+from optiremat.solver.step import RegionFound, RegionKind
+
+D, B, LAYERS = 64, 256, 4
+STEP = Step.of(0)
+POLICIES = jax.checkpoint_policies
+
+
+# ---- repeated runs, on signatures alone ---------------------------------------
+
+
+def test_a_unit_repeated_between_a_head_and_a_tail_is_found_once_per_copy() -> None:
+    # Three alike projections per layer and one unlike: the layer is still the unit.
+    unit = ["dot", "dot", "dot", "dot_out"]
+    sigs = ["embed", "add", *unit * 5, "norm", "loss"]
+    anchors = [s.startswith("dot") for s in sigs]
+    # The residual stream (1 byte here) crosses each layer boundary; inside a layer 3.
+    crossing = [1 if (b - 2) % 4 == 0 else 3 for b in range(len(sigs) + 1)]
+    (run,) = repeated_runs(sigs, anchors, crossing)
+    assert run == Run(start=2, period=4, count=5)
+    assert run.units()[0] == (2, 6) and run.end == 22
+
+
+def test_two_stacks_are_two_runs_and_positions_without_an_anchor_none() -> None:
+    sigs = ["a", "b"] * 3 + ["x", "y", "z"] * 4
+    anchors = [s in {"a", "x"} for s in sigs]
+    crossing = [0] * (len(sigs) + 1)
+    runs = repeated_runs(sigs, anchors, crossing)
+    assert [(r.start, r.period, r.count) for r in runs] == [(0, 2, 3), (6, 3, 4)]
+    assert repeated_runs(sigs, [False] * len(sigs), crossing) == []
+    with pytest.raises(ValueError, match="one crossing per boundary"):
+        repeated_runs(sigs, anchors, crossing[:-1])
+
+
+def test_crossing_bytes_counts_what_is_live_across_each_boundary() -> None:
+    # value 0 made at 0, read last at 2; value 1 made at 1, read at 3 (n = 4)
+    assert crossing_bytes([0, 1], [2, 3], [10, 5], 4) == [0, 10, 15, 5, 0]
+
+
+# ---- models -----------------------------------------------------------------
+
+
+def _params(layers: int = LAYERS) -> list[dict]:
+    keys = jax.random.split(jax.random.key(0), layers)
+    return [{"w1": jax.random.normal(k, (D, 4 * D)) * 0.05,
+             "w2": jax.random.normal(k, (4 * D, D)) * 0.05} for k in keys]
+
+
+def _block(p: dict, x: jax.Array) -> jax.Array:
+    return x + jnp.tanh(x @ p["w1"]) @ p["w2"]
+
+
+def unrolled(params: list[dict], x: jax.Array) -> jax.Array:
+    for p in params:
+        x = _block(p, x)
+    return jnp.mean(x ** 2)
+
+
+def user_checkpointed(params: list[dict], x: jax.Array) -> jax.Array:
+    block = jax.checkpoint(_block, policy=POLICIES.dots_saveable)
+    for p in params:
+        x = block(p, x)
+    return jnp.mean(x ** 2)
+
+
+def single_layer(w: jax.Array, x: jax.Array) -> jax.Array:
+    return jnp.mean(jnp.tanh(x @ w) ** 2)
+
+
+X = jnp.ones((B, D))
+
+
+@pytest.fixture(scope="module")
+def extracted():
+    return step_extraction(unrolled, (_params(), X), STEP)
+
+
+def _peak(fun, *args) -> int:
+    return lowered_peak(STEP.function(fun).lower(*args), keep_barriers=True)
+
+
+def test_a_python_loop_has_one_repeated_block_per_layer(extracted) -> None:
+    regions = extracted.regions
+    assert len(regions) == LAYERS
+    assert {(r.kind, r.found) for r in regions} == {(RegionKind.BLOCK, RegionFound.REPEATED)}
+    assert len({r.program for r in regions}) == 1  # the same code: calibrated alike
+    assert [r.end - r.start for r in regions] == [4] * LAYERS  # dot, tanh, dot, add
+    graph = extracted.graph
+    assert graph.schema_version == KINDS_SCHEMA_VERSION
+    assert CostGraph.model_validate_json(graph.canonical_json()).content_hash \
+        == graph.content_hash
+
+
+def test_repeated_blocks_plan_exactly_and_reach_the_per_block_builtin(extracted) -> None:
+    params = _params()
+    no_remat = _peak(unrolled, params, X)
+    placement = Placement(extracted.regions, extracted.differentiated, STEP)
+    nothing = _peak(placement.apply(unrolled, POLICIES.nothing_saveable), params, X)
+    assert nothing < 0.9 * no_remat  # the schedule keeps the checkpoints apart
+    want = jax.grad(unrolled)(params, X)
+    peaks = []
+    for budget in (no_remat, (no_remat + nothing) // 2, nothing):
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", ScheduleWarning)
+            plan = optimize_quietly(unrolled, params, X, budget=budget)
+        measured = _peak(plan.apply(unrolled), params, X)
+        assert measured <= budget
+        assert abs(measured - plan.peak_bytes) <= 0.01 * measured
+        peaks.append(measured)
+        got = jax.grad(plan.apply(unrolled))(params, X)
+        for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+            np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+    assert peaks == sorted(peaks, reverse=True)  # never rises as the budget falls
+
+
+def optimize_quietly(fun, *args, **kwargs):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", ScheduleWarning)
+        return optiremat.optimize(fun, *args, **kwargs)
+
+
+def test_the_users_checkpoints_are_regions_whose_policy_the_plan_sets() -> None:
+    params = _params(3)
+    extracted = step_extraction(user_checkpointed, (params, X), STEP)
+    assert [r.found for r in extracted.regions] == [RegionFound.CHECKPOINT] * 3
+    theirs = _peak(user_checkpointed, params, X)  # dots_saveable per block
+    placement = Placement(extracted.regions, extracted.differentiated, STEP)
+    least = _peak(placement.apply(user_checkpointed, POLICIES.nothing_saveable), params, X)
+    assert least < theirs
+    plan = optimize_quietly(user_checkpointed, params, X, budget=least)
+    assert _peak(plan.apply(user_checkpointed), params, X) <= least
+    got = jax.grad(plan.apply(user_checkpointed))(params, X)
+    want = jax.grad(user_checkpointed)(params, X)
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+
+
+def test_a_plan_says_how_it_found_its_blocks(extracted) -> None:
+    params = _params()
+    plan = optimize_quietly(unrolled, params, X, budget=_peak(unrolled, params, X))
+    text = plan.explain()
+    assert "repeated block at" in text and "lax.scan" not in text
+
+
+def test_named_scopes_are_blocks_and_a_scope_naming_nothing_lists_those_seen() -> None:
+    def scoped(params, x):
+        for i, p in enumerate(params):
+            with jax.named_scope(f"layer_{i}"):
+                x = _block(p, x)
+        return jnp.mean(x ** 2)
+
+    params = _params(2)
+    closed = jax.make_jaxpr(scoped)(params, X)
+    flags = STEP.differentiated((params, X))
+    regions = find_regions(closed, flags, scopes=["layer_"])
+    assert [r.found for r in regions] == [RegionFound.SCOPE] * 2
+    with pytest.raises(optiremat.PlacementError, match=r"Scopes seen: layer_0, layer_1"):
+        find_regions(closed, flags, scopes=["decoder"])
+    with pytest.raises(optiremat.PlanError, match="non-empty list"):
+        optiremat.optimize(scoped, params, X, budget=10**9, regions="layer_")
+
+
+def test_a_budget_no_region_can_reach_says_why() -> None:
+    w = jnp.ones((D, D)) * 0.01
+    peak = _peak(single_layer, w, X)
+    with pytest.raises(InfeasibleBudgetError, match="No plan can lower the peak: it has "
+                       "no differentiated lax.scan, no checkpoint of yours") as err:
+        optiremat.optimize(single_layer, w, X, budget=peak // 2)
+    assert err.value.min_budget_bytes >= peak // 2
+
+
+def test_blocks_warn_where_this_process_would_merge_their_recomputation() -> None:
+    params = _params(2)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        optiremat.optimize(unrolled, params, X, budget=_peak(unrolled, params, X))
+    schedule = [w for w in caught if issubclass(w.category, ScheduleWarning)]
+    assert bool(schedule) == (not barriers_kept())
+    if schedule:
+        assert "cse_barrier_expander" in str(schedule[0].message)
+        assert schedule[0].filename == __file__  # points at the caller's line
+    assert keeps_barriers(step_extraction(unrolled, (params, X), STEP).regions)
