@@ -65,6 +65,10 @@ def add_commands(parser: argparse.ArgumentParser,
                          help="name each layer's input in the step's graph, so that plans "
                               "solved with --offload may keep the stacked inputs in host "
                               "memory")
+    extract.add_argument("--regions", nargs="+", metavar="SCOPE",
+                         help="the blocks to checkpoint: the equations under these name "
+                              "scopes (a Flax module path, a jax.named_scope), instead of "
+                              "the repeated blocks found in straight-line code")
     extract.set_defaults(run=_reporting_errors(_extract))
 
     solve = commands.add_parser(
@@ -285,7 +289,10 @@ def _extract(args: argparse.Namespace) -> int:
     fun, fun_args = load_target(args.target, args.args)
     if args.memory == "peak":
         graph = extract_step(fun, *fun_args, argnums=tuple(args.argnums),
-                             name_inputs=args.offload_inputs)
+                             name_inputs=args.offload_inputs, regions=args.regions or ())
+    elif args.regions:
+        raise ValueError("--regions names the blocks of a step's graph: leave out "
+                         "--memory residuals")
     elif args.offload_inputs:
         raise ValueError("--offload-inputs names the layer inputs of a step's graph: "
                          "leave out --memory residuals")

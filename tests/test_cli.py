@@ -22,6 +22,7 @@ from optiremat.solver.solve import max_useful_budget, min_feasible_budget, solve
 from tests.service_harness import REPO, Server
 
 MODEL = textwrap.dedent("""
+    import jax
     import jax.numpy as jnp
 
     def loss(x, w1, w2):
@@ -32,6 +33,15 @@ MODEL = textwrap.dedent("""
         return jnp.ones((8, 16)) * 0.1, jnp.ones((16, 16)) * 0.2, jnp.ones((16, 16)) * 0.3
 
     small_args = (jnp.ones((2, 4)), jnp.ones((4, 4)), jnp.ones((4, 4)))
+
+    def scoped(ws, x):
+        for i, w in enumerate(ws):
+            with jax.named_scope(f"block_{i}"):
+                x = jnp.tanh(x @ w)
+        return jnp.sum(x)
+
+    def scoped_args():
+        return [jnp.ones((16, 16)) * 0.1] * 2, jnp.ones((8, 16))
 """)
 
 
@@ -84,6 +94,19 @@ def test_a_step_graph_plans_the_peak_from_extract_to_explain(
     assert main(["explain", str(plan_path)]) == 0
     text = capsys.readouterr().out
     assert "peak of the training step" in text and "per layer x 16 layers" in text
+
+
+def test_extract_takes_the_blocks_by_name_scope(workdir: Path,
+                                                capsys: pytest.CaptureFixture[str]) -> None:
+    out = workdir / "scoped.graph.json"
+    target = f"{workdir / 'cli_model.py'}:scoped"
+    assert main(["extract", target, "--args", "scoped_args", "--regions", "block_",
+                 "-o", str(out)]) == 0
+    graph = CostGraph.model_validate_json(out.read_bytes())
+    assert graph.step is not None
+    assert [(r.kind, r.found) for r in graph.step.regions] == [("block", "scope")] * 2
+    assert main(["extract", target, "--args", "scoped_args", "--regions", "decoder"]) == 1
+    assert "Scopes seen: block_0, block_1" in one_line_error(capsys, "extract")
 
 
 def test_offload_on_the_command_line_weighs_every_lever(

@@ -204,3 +204,22 @@ def test_blocks_warn_where_this_process_would_merge_their_recomputation() -> Non
         assert "cse_barrier_expander" in str(schedule[0].message)
         assert schedule[0].filename == __file__  # points at the caller's line
     assert keeps_barriers(step_extraction(unrolled, (params, X), STEP).regions)
+
+
+def test_a_scan_stack_and_unrolled_blocks_after_it_are_both_regions() -> None:
+    def mixed(params, x):
+        stacked = jax.tree.map(lambda *w: jnp.stack(w), *params[:2])
+        x, _ = jax.lax.scan(lambda h, p: (_block(p, h), None), x, stacked)
+        for p in params[2:]:
+            x = _block(p, x)
+        return jnp.mean(x ** 2)
+
+    params = _params(4)
+    extracted = step_extraction(mixed, (params, X), STEP)
+    assert [r.kind for r in extracted.regions] == [RegionKind.SCAN, RegionKind.BLOCK,
+                                                   RegionKind.BLOCK]
+    no_remat = _peak(mixed, params, X)
+    plan = optimize_quietly(mixed, params, X, budget=int(no_remat * 0.8))
+    measured = _peak(plan.apply(mixed), params, X)
+    assert measured <= int(no_remat * 0.8)
+    assert abs(measured - plan.peak_bytes) <= 0.01 * measured
