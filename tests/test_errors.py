@@ -69,8 +69,10 @@ def test_every_error_the_solver_and_the_client_define_is_listed() -> None:
     defined = {value for name in module_paths()
                if name.startswith(("optiremat.solver.", "optiremat.client."))
                for _, value in inspect.getmembers(import_module(name), inspect.isclass)
-               if issubclass(value, BaseException) and value.__module__ == name}
+               if issubclass(value, BaseException) and not issubclass(value, Warning)
+               and value.__module__ == name}
     assert defined == set(BUILTIN_OF) | {optiremat.OptirematError}
+    assert issubclass(optiremat.ScheduleWarning, UserWarning)  # a warning, not an error
 
 
 def _peak_graph() -> CostGraph:

@@ -21,7 +21,6 @@ from optiremat.client.cost_model import aval_bytes
 from optiremat.client.peak.regions import (
     Policy,
     Region,
-    interface,
     interleave,
     run_inlined,
     scalar_of,
@@ -61,13 +60,12 @@ class BlockRegion(Region):
     def program(self) -> tuple:
         return self.signature[:-1]
 
-    def signature_of(self, eqns: Sequence, differentiated: Sequence[bool]) -> tuple:
-        inputs, _ = interface(eqns, set())
-        return _block_signature(eqns, inputs, len(self.outputs), differentiated)
+    def boundary(self, eqns: Sequence) -> tuple[Sequence, Sequence]:
+        return self.inputs, self.outputs
 
     def place(self, eqns: Sequence, invals: Sequence, policy: Policy, groups: int,
               name_inputs: bool) -> list:
-        inputs, outputs = self.interface_of(eqns)
+        inputs, outputs = self.inputs, self.outputs
 
         def block(*values):
             env = dict(zip(inputs, values, strict=True))
@@ -78,15 +76,6 @@ class BlockRegion(Region):
         # merging the recomputation back into the forward pass.
         with jx.user_context_of(eqns[0]):
             return jax.checkpoint(block, policy=policy, prevent_cse=True)(*invals)
-
-    def interface_of(self, eqns: Sequence) -> tuple[list, list]:
-        """The block's inputs and outputs among ``eqns`` (this block in another trace):
-        its outputs are at the places of this trace's."""
-        inputs, _ = interface(eqns, set())
-        position = {v: (k, j) for k, eqn in enumerate(self.eqns) for j, v in
-                    enumerate(eqn.outvars)}
-        outputs = [eqns[k].outvars[j] for k, j in (position[v] for v in self.outputs)]
-        return inputs, outputs
 
     def calibration_program(self, saved_keys: frozenset[str] | None,
                             policy_of: Callable[[frozenset[str] | None], Policy]

@@ -46,7 +46,6 @@ class _Placer:
     regions: Sequence[Region]
     groups: Sequence[int]  # per region: 1 checkpoints each layer; k > 1 also k groups of them
     name_inputs: bool = False  # offer each layer's input to the policy (``LAYER_INPUT``)
-    placed: int = 0
     at: dict[tuple[int, ...], dict[int, Region]] = field(default_factory=dict)
     entered: set[tuple[int, ...]] = field(default_factory=set)
 
@@ -59,7 +58,7 @@ class _Placer:
              differentiated: Sequence[bool], path: tuple[int, ...] = ()) -> list:
         env: dict = dict(zip(jaxpr.constvars, consts, strict=True))
         env.update(zip(jaxpr.invars, args, strict=True))
-        ins_of, flags = flags_through(jaxpr, differentiated)
+        ins_of, _ = flags_through(jaxpr, differentiated)
         here = self.at.get(path, {})
 
         def read(x):
@@ -71,14 +70,11 @@ class _Placer:
             region = here.get(i)
             if region is not None:
                 eqns = jaxpr.eqns[i:region.end]
-                inputs, outputs = self._interface(region, eqns)
-                self._check(region, eqns, [flags.get(v, False) for v in inputs]
-                            if isinstance(region, BlockRegion) else ins_of[i])
+                inputs, outputs = region.boundary(eqns)
                 outs = region.place(eqns, [read(x) for x in inputs],
                                     self.policies[region.index], self.groups[region.index],
                                     self.name_inputs)
                 env.update(zip(outputs, outs, strict=True))
-                self.placed += 1
                 i = region.end
                 continue
             invals = [read(x) for x in eqn.invars]
@@ -91,27 +87,6 @@ class _Placer:
             i += 1
         return [read(x) for x in jaxpr.outvars]
 
-    @staticmethod
-    def _interface(region: Region, eqns: Sequence) -> tuple[list, list]:
-        if isinstance(region, BlockRegion):
-            if len(eqns) != region.end - region.start:
-                return [], []  # fewer equations here: the signature check names it
-            return region.interface_of(eqns)
-        (eqn,) = eqns
-        return list(eqn.invars), list(eqn.outvars)
-
-    def _check(self, region: Region, eqns: Sequence, differentiated: Sequence[bool]) -> None:
-        if region.index >= len(self.regions) or region.index != self.placed:
-            raise PlacementError(
-                f"{region.describe()} is met out of order: the function traced differently "
-                "from when it was planned")
-        if region.signature_of(eqns, differentiated) != region.signature:
-            here = jx.source_of(eqns[0]) if eqns else "the end of the function"
-            raise PlacementError(
-                f"the code at {here} does not match region {region.index} of the plan (the "
-                f"{region.describe()}): shapes or structure differ; plan again for these "
-                "arguments")
-
 
 def keeps_barriers(regions: Sequence[Region]) -> bool:
     """Whether a step with these regions is measured under the schedule that keeps
@@ -121,25 +96,56 @@ def keeps_barriers(regions: Sequence[Region]) -> bool:
 
 def place(closed: jx.ClosedJaxpr, args: Sequence, regions: Sequence[Region],
           policies: Sequence[Policy], differentiated: Sequence[bool],
-          groups: Sequence[int] | None = None, name_inputs: bool = False) -> list:
-    """Evaluate ``closed`` at ``args`` with each region checkpointed by its policy (and,
-    where ``groups`` says k > 1, in k rematerialised groups of layers); ``differentiated``
-    flags the inputs that get tangents, as ``find_regions`` took them. With
-    ``name_inputs``, each layer's input is named ``LAYER_INPUT`` inside its checkpoint,
-    so that the policy is offered it (to offload it)."""
+          groups: Sequence[int] | None = None, name_inputs: bool = False,
+          scopes: Sequence[str] = ()) -> list:
+    """Evaluate ``closed`` at ``args`` with each of the planned ``regions`` checkpointed
+    by its policy (and, where ``groups`` says k > 1, in k rematerialised groups of
+    layers); ``differentiated`` flags the inputs that get tangents and ``scopes`` names
+    the blocks, as when the regions were found. With ``name_inputs``, each layer's input
+    is named ``LAYER_INPUT`` inside its checkpoint, so that the policy is offered it (to
+    offload it).
+
+    The regions are found again in ``closed`` (a trace of its own may differ outside
+    them: a value closed over from an enclosing trace is an input there, a constant
+    here) and must be the planned ones, in order, with the same signatures."""
     groups = [1] * len(regions) if groups is None else list(groups)
     if not len(policies) == len(groups) == len(regions):
         raise ValueError(f"{len(regions)} regions but {len(policies)} policies and "
                          f"{len(groups)} group counts")
     for region, k in zip(regions, groups, strict=True):
         check_groups(region, k)
-    placer = _Placer(policies, regions, groups, name_inputs)
-    outs = placer.eval(closed.jaxpr, closed.consts, args, differentiated)
-    if placer.placed != len(regions):
+    here = _regions_in(closed, differentiated, scopes)
+    if len(here) != len(regions):
         raise PlacementError(
-            f"the plan has {len(regions)} regions but the function met {placer.placed} of "
-            "them: it traced differently from when it was planned")
-    return outs
+            f"the plan has {len(regions)} regions but the function has {len(here)}: it "
+            "traced differently from when it was planned; plan again for these arguments")
+    for planned, met in zip(regions, here, strict=True):
+        if met.signature != planned.signature or type(met) is not type(planned):
+            raise PlacementError(
+                f"the {met.describe()} does not match region {planned.index} of the plan "
+                f"(the {planned.describe()}): shapes or structure differ; plan again for "
+                "these arguments")
+    placer = _Placer(policies, here, groups, name_inputs)
+    return placer.eval(closed.jaxpr, closed.consts, args, differentiated)
+
+
+# The regions of the last few jaxprs placed: a step's jaxpr is placed once per policy its
+# calibration and refinement compile, and finding its regions walks it whole.
+_FOUND: dict[int, tuple[jx.Jaxpr, tuple, list[Region]]] = {}
+_FOUND_SIZE = 16
+
+
+def _regions_in(closed: jx.ClosedJaxpr, differentiated: Sequence[bool],
+                scopes: Sequence[str]) -> list[Region]:
+    key = (tuple(differentiated), tuple(scopes))
+    cached = _FOUND.get(id(closed.jaxpr))
+    if cached is not None and cached[0] is closed.jaxpr and cached[1] == key:
+        return cached[2]
+    found = find_regions(closed, differentiated, scopes)
+    if len(_FOUND) >= _FOUND_SIZE:
+        _FOUND.pop(next(iter(_FOUND)))
+    _FOUND[id(closed.jaxpr)] = (closed.jaxpr, key, found)
+    return found
 
 
 @dataclass(frozen=True)
@@ -150,6 +156,7 @@ class Placement:
     differentiated: tuple[bool, ...]  # per flattened argument, as the step differentiates
     step: Step
     name_inputs: bool = False  # layer inputs offered to the policy (offload plans)
+    scopes: tuple[str, ...] = ()  # the name scopes its blocks were found by (regions=)
 
     def apply(self, fun: Callable, policy: Policy,
               groups: Sequence[int] | None = None) -> Callable:
@@ -177,7 +184,7 @@ class Placement:
         checkpointed by ``policy``: its outputs, as the function returns them."""
         closed = jx.ClosedJaxpr(traced.open_jaxpr, traced.consts)
         out = place(closed, leaves, self.regions, [policy] * len(self.regions),
-                    self.differentiated, groups, self.name_inputs)
+                    self.differentiated, groups, self.name_inputs, self.scopes)
         return jax.tree_util.tree_unflatten(traced.out_tree, out)
 
 

@@ -56,7 +56,7 @@ def plan_peak(fun: Callable, traced: Traced, args: Sequence, request: PlanReques
         return solve_fn(graph, budget, tie=True, **options)
 
     placement = Placement(extracted.regions, extracted.differentiated, request.step,
-                          name_inputs=request.offload)
+                          name_inputs=request.offload, scopes=extracted.scopes)
     # Offload plans are not refined: on CPU, XLA's memory analysis counts host
     # buffers as device ones, so their peak cannot be measured here.
     warn_if_unscheduled(extracted.regions)

@@ -82,16 +82,15 @@ class Region(ABC):
         """What must match when a plan is applied to a function traced again."""
 
     @abstractmethod
-    def signature_of(self, eqns: Sequence, differentiated: Sequence[bool]) -> tuple:
-        """The signature of the same place in another trace: ``eqns`` are its equations,
-        ``differentiated`` flags their operands."""
+    def boundary(self, eqns: Sequence) -> tuple[Sequence, Sequence]:
+        """The variables its equations ``eqns`` read from before them, and those they
+        make that the rest of the function reads."""
 
     @abstractmethod
     def place(self, eqns: Sequence, invals: Sequence, policy: Policy, groups: int,
               name_inputs: bool) -> list:
-        """Evaluate ``eqns`` (this region's, in the function being placed) at ``invals``
-        (the values of ``interface(eqns)[0]``) under ``policy``: the values of
-        ``interface(eqns)[1]``."""
+        """Evaluate its equations ``eqns`` at ``invals`` (the values of
+        ``boundary(eqns)[0]``) under ``policy``: the values of ``boundary(eqns)[1]``."""
 
     @abstractmethod
     def calibration_program(self, saved_keys: frozenset[str] | None,

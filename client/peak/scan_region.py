@@ -26,7 +26,6 @@ from optiremat.client.peak.regions import (
     interleave,
     scalar_of,
 )
-from optiremat.client.primitives import Role, info
 from optiremat.solver.step import RegionFound, RegionKind
 
 # The name a layer's input takes inside its checkpoint when a plan may offload it:
@@ -106,11 +105,9 @@ class ScanRegion(Region):
                 tuple(str(a) for a in self.body.in_avals),
                 tuple(str(a) for a in self.body.out_avals))
 
-    def signature_of(self, eqns: Sequence, differentiated: Sequence[bool]) -> tuple:
+    def boundary(self, eqns: Sequence) -> tuple[Sequence, Sequence]:
         (eqn,) = eqns
-        if info(eqn.primitive).role != Role.SCAN:
-            return ("not a scan", eqn.primitive.name)
-        return ScanRegion.of(self.index, self.path, self.start, eqn, differentiated).signature
+        return eqn.invars, eqn.outvars
 
     def place(self, eqns: Sequence, invals: Sequence, policy: Policy, groups: int,
               name_inputs: bool) -> list:

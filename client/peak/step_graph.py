@@ -71,9 +71,10 @@ def traced_step_extraction(traced: Traced, args: Sequence, step: Step, *, name: 
     markers = [RegionMarker(r.index) for r in regions]
 
     def marked(*leaves):
-        return place(closed, leaves, regions, markers, flags, name_inputs=name_inputs)
+        return place(closed, leaves, regions, markers, flags, name_inputs=name_inputs,
+                     scopes=scopes)
 
-    every_layer = Placement(regions, tuple(flags), step)
+    every_layer = Placement(regions, tuple(flags), step, scopes=tuple(scopes))
 
     def step_memory(policy) -> StepMemoryAnalysis:
         """XLA's memory analysis of the step with every region under ``policy``."""
