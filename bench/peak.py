@@ -5,6 +5,9 @@
     .venv/bin/python bench/peak.py --offload-only   # offload and levers (on a GPU:
                                                     # the measured device peak too)
 
+Layers outside lax.scan (the unrolled corpus, both CPU schedules) are
+``bench/unrolled.py``'s, which this runs last (``--quick`` as here).
+
 For every model of the scan corpus (``tests/peak_models.py``) it prints:
 
 * a frontier over peak budgets: each plan's predicted peak next to the peak
@@ -38,7 +41,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
-from optiremat.client.peak.placement import Placement  # noqa: E402
+from optiremat.client.peak.placement import Placement, keeps_barriers  # noqa: E402
 from optiremat.client.peak.refine import refined_solve, step_measure  # noqa: E402
 from optiremat.client.peak.step_graph import step_extraction  # noqa: E402
 from optiremat.client.policy import KeyPolicy  # noqa: E402
@@ -75,7 +78,7 @@ def measure(fun, args, extracted, saved_keys: frozenset[str], groups=None) -> in
     step = Step.of(0)
     placement = Placement(extracted.regions, extracted.differentiated, step)
     applied = placement.apply(fun, KeyPolicy(saved_keys), groups)
-    return lowered_peak(step.function(applied).lower(*args))
+    return lowered_peak(step.function(applied).lower(*args), keeps_barriers(extracted.regions))
 
 
 def plan_at(fun, args, extracted, budget: int):
@@ -357,6 +360,12 @@ def eight_billion() -> None:
               f"{total - compiles:.1f} s")
 
 
+def unrolled_main(argv: list[str]) -> None:
+    """``bench/unrolled.py`` (imported here: it reuses ``frontier``)."""
+    from bench.unrolled import main
+    main(argv)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="6 points on three models")
@@ -395,6 +404,7 @@ def main() -> None:
     memory_only_compiles(models + lms)
     if not opts.no_8b:
         eight_billion()
+    unrolled_main(["--quick"] if opts.quick else [])
 
 
 if __name__ == "__main__":

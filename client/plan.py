@@ -135,8 +135,7 @@ class Verification:
         if error < 0:
             return (f"XLA's schedule holds {format_bytes(measured)}, {-error:.0%} more than the "
                     f"predicted {format_bytes(predicted)}: it does not follow the plan's "
-                    "regions. On CPU, checkpoints in straight-line code need XLA to keep "
-                    "their barriers: " + schedule_advice())
+                    "regions. " + schedule_advice())
         return (f"XLA's schedule holds {format_bytes(measured)}, {error:.0%} less than the "
                 f"predicted {format_bytes(predicted)}: the plan recomputes more than its budget "
                 "needs. A plan made for other arguments than these (other shapes, or other "

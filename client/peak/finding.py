@@ -183,22 +183,23 @@ class _Finder:
         return claims
 
     def repeated(self, jaxpr: jx.Jaxpr, barrier: Sequence[bool]) -> list[tuple[int, int]]:
+        """Repeated units: of equations alike to the byte first (a loop's layers), then,
+        where none were, of the same structure on other shapes (a U-Net's blocks)."""
         eqns = jaxpr.eqns
-        signatures: list[object] = [("barrier", i) if barrier[i] else eqn_signature(e)
-                                    for i, e in enumerate(eqns)]
-        anchors = [not barrier[i] and holds(e, ANCHORS) for i, e in enumerate(eqns)]
-        if sum(anchors) < 2:
+        if sum(not barrier[i] and holds(e, ANCHORS) for i, e in enumerate(eqns)) < 2:
             return []
-        defined: dict = {}
-        for i, eqn in enumerate(eqns):
-            for v in eqn.outvars:
-                defined[v] = i
-        last_read = last_reads(jaxpr)
-        made = [v for v in defined if v in last_read]
-        crossing = crossing_bytes([defined[v] for v in made], [last_read[v] for v in made],
-                                  [aval_bytes(v.aval) for v in made], len(eqns))
-        return [unit for run in repeated_runs(signatures, anchors, crossing)
-                for unit in run.units()]
+        crossing = _crossing(jaxpr)
+        units: list[tuple[int, int]] = []
+        taken = list(barrier)
+        for signature in (eqn_signature, _structure):
+            signatures: list[object] = [("taken", i) if taken[i] else signature(e)
+                                        for i, e in enumerate(eqns)]
+            anchors = [not taken[i] and holds(e, ANCHORS) for i, e in enumerate(eqns)]
+            for run in repeated_runs(signatures, anchors, crossing):
+                for start, end in run.units():
+                    units.append((start, end))
+                    taken[start:end] = [True] * (end - start)
+        return sorted(units)
 
     def scoped(self, eqns: Sequence, prefix: str,
                barrier: Sequence[bool]) -> list[tuple[int, int]]:
@@ -235,6 +236,26 @@ class _Finder:
 
 def _joined(prefix: str, name: str) -> str:
     return f"{prefix}/{name}" if prefix and name else prefix or name
+
+
+def _structure(eqn) -> tuple:
+    """What an equation does, whatever the sizes: its primitive on operands of these
+    ranks and types (a U-Net's down blocks at each level)."""
+    avals = [x.aval for x in eqn.invars]
+    return (eqn.primitive.name, tuple(len(getattr(a, "shape", ())) for a in avals),
+            tuple(str(getattr(a, "dtype", "")) for a in avals))
+
+
+def _crossing(jaxpr: jx.Jaxpr) -> list[int]:
+    """Per boundary between equations, the bytes made before it and read after it."""
+    defined: dict = {}
+    for i, eqn in enumerate(jaxpr.eqns):
+        for v in eqn.outvars:
+            defined[v] = i
+    last = last_reads(jaxpr)
+    made = [v for v in defined if v in last]
+    return crossing_bytes([defined[v] for v in made], [last[v] for v in made],
+                          [aval_bytes(v.aval) for v in made], len(jaxpr.eqns))
 
 
 def last_reads(jaxpr: jx.Jaxpr) -> dict:

@@ -33,10 +33,8 @@ def warn_if_unscheduled(regions: Sequence[Region]) -> None:
     back into the forward pass, so that the plan's peak is not what the user gets."""
     if any(isinstance(r, BlockRegion) for r in regions) and not barriers_kept():
         warnings.warn(ScheduleWarning(
-            "the plan checkpoints blocks of straight-line code, and this process's XLA "
-            "merges their recomputation back into the forward pass, so they lower the peak "
-            "only where its barriers are kept (the plan is measured that way): "
-            + schedule_advice()), stacklevel=5)
+            "The plan checkpoints blocks of straight-line code, and its peak is measured "
+            "with their barriers kept. " + schedule_advice()), stacklevel=5)
 
 
 def plan_peak(fun: Callable, traced: Traced, args: Sequence, request: PlanRequest,
