@@ -199,7 +199,7 @@ def _calibration_program(region: Region, saved_keys: frozenset[str] | None):
 
     policy = (jax.checkpoint_policies.nothing_saveable if saved_keys is None
               else KeyPolicy(saved_keys))
-    checkpointed = jax.checkpoint(layer, policy=policy, prevent_cse=False)
+    checkpointed = jx.checkpoint(layer, policy=policy, prevent_cse=False)
 
     def program(differentiated: Sequence, others: Sequence):
         operands: list = [None] * len(structs)

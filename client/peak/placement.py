@@ -270,7 +270,7 @@ class _Placer:
                           *inputs[n_consts + n_carry:])
             return _inline_checkpoints(body.jaxpr, body.consts, inputs)
 
-        checkpointed = jax.checkpoint(layer, policy=self.policies[k], prevent_cse=False)
+        checkpointed = jx.checkpoint(layer, policy=self.policies[k], prevent_cse=False)
 
         def step(carry, x):
             out = checkpointed(*consts, *carry, *x)
@@ -321,8 +321,8 @@ def _grouped_scan(step: Callable, init: list, xs: list, length: int, groups: int
     def group(carry, xs_group):
         return lax.scan(step, carry, xs_group, length=per_group, unroll=unroll)
 
-    rematerialised = jax.checkpoint(group, policy=jax.checkpoint_policies.nothing_saveable,
-                                    prevent_cse=False)
+    rematerialised = jx.checkpoint(group, policy=jax.checkpoint_policies.nothing_saveable,
+                                   prevent_cse=False)
     grouped = [x.reshape(groups, per_group, *x.shape[1:]) for x in xs]
     carry, ys = lax.scan(rematerialised, init, grouped, length=groups)
     return [*carry, *(y.reshape(length, *y.shape[2:]) for y in ys)]
