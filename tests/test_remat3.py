@@ -7,14 +7,16 @@ plan's checkpoints are built on JAX's partial-eval path under either flag
 (``client._jax_internals.checkpoint``); these tests check, with the flag on,
 that the peak XLA measures is the prediction and the flag-off plan's, that
 ``saved_residuals`` lists the plan's residuals, and that the backward pass runs
-the FLOPs the plan reports. One small scan stack, its plans made once.
+the FLOPs the plan reports, on a small scan stack and a small Llama LM (its head
+outside the scan, its values named as LM libraries name them), each planned once.
 """
 
 from __future__ import annotations
 
 import warnings
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 
 import jax
 import jax.numpy as jnp
@@ -25,7 +27,9 @@ import optiremat
 from optiremat.client import _jax_internals as jx
 from optiremat.client.measure import backward_flops, saved_residuals
 from optiremat.client.plan import PeakPlan, ResidualPlan
+from optiremat.client.step import lowered_peak
 from optiremat.solver.offload import OffloadOptions
+from tests import lm_models
 
 pytestmark = pytest.mark.skipif(
     jx.REMAT3 is None, reason=f"jax {jax.__version__} has no jax_remat3 flag to switch on")
@@ -73,47 +77,68 @@ def remat3(on: bool) -> Iterator[None]:
         jax.config.update("jax_remat3", before)
 
 
-def _peak_budget(fun) -> int:
-    """Between saving nothing and everything: a plan that saves some of each layer."""
-    from optiremat.client.step import lowered_peak
+@dataclass(frozen=True)
+class Model:
+    fun: Callable
+    args: tuple
+    argnums: int | tuple[int, ...]
+    fraction: float  # of the no-remat peak: a budget that saves part of each layer
 
-    everything = lowered_peak(jax.jit(jax.grad(fun, argnums=ARGNUMS)).lower(*ARGS))
-    return int(everything * 0.9)
+    def budget(self) -> int:
+        step = jax.jit(jax.grad(self.fun, argnums=self.argnums))
+        return int(lowered_peak(step.lower(*self.args)) * self.fraction)
+
+    def optimize(self, fun: Callable | None = None) -> PeakPlan:
+        plan = optiremat.optimize(fun or self.fun, *self.args, budget=self.budget(),
+                                  argnums=self.argnums)
+        assert isinstance(plan, PeakPlan)
+        return plan
+
+    def step_flops(self, fun: Callable) -> int:
+        """FLOPs of the step's backward pass, as JAX's jaxpr runs them."""
+        return backward_flops(fun, *self.args)
+
+
+def _models() -> dict[str, Model]:
+    lm, lm_args = lm_models.lm(layers=2, d=64, ffn=172, heads=4, kv_heads=2, vocab=512,
+                               seq=32)
+    return {"scan_stack": Model(stack, ARGS, ARGNUMS, 0.9),
+            "lm": Model(lm, lm_args, 0, 0.8)}
+
+
+MODELS = _models()
+
+
+@pytest.fixture(scope="module", params=sorted(MODELS))
+def model(request) -> Model:
+    return MODELS[request.param]
 
 
 @pytest.fixture(scope="module")
-def peak_plan() -> PeakPlan:
+def peak_plan(model: Model) -> PeakPlan:
     with remat3(False):
-        plan = optimize_peak(stack)
-    assert plan.saved_keys, "the budget should leave the plan something to save"
+        plan = model.optimize()
     assert any(not k.startswith("dot_general") for k in plan.saved_keys), plan.saved_keys
     return plan
 
 
-def optimize_peak(fun) -> PeakPlan:
-    plan = optiremat.optimize(fun, *ARGS, budget=_peak_budget(stack), argnums=ARGNUMS)
-    assert isinstance(plan, PeakPlan)
-    return plan
-
-
 @pytest.fixture(scope="module")
-def flag_off(peak_plan: PeakPlan):
+def flag_off(model: Model, peak_plan: PeakPlan):
     with remat3(False):
-        return peak_plan.verify(stack, peak=True), _step_flops(peak_plan.apply(stack))
+        return (peak_plan.verify(model.fun, peak=True),
+                model.step_flops(peak_plan.apply(model.fun)))
 
 
-def _step_flops(fun) -> int:
-    return backward_flops(lambda *a: fun(*a), *ARGS)
-
-
-def test_a_plain_policy_saves_nothing_but_dots_on_the_remat3_path(peak_plan: PeakPlan) -> None:
+def test_a_plain_policy_saves_nothing_but_dots_on_the_remat3_path() -> None:
     """The fact this rests on: handed to ``jax.checkpoint`` itself under remat3, the plan's
     policy is never asked about its tanh, so JAX recomputes it."""
     def layer(h, a, b):
         return h + jnp.sin(jnp.tanh(h @ a)) @ b
 
     x, w1, w2 = ARGS[0], ARGS[1][0], ARGS[2][0]
-    policy, sources = peak_plan.policy, {}
+    with remat3(False):
+        policy = MODELS["scan_stack"].optimize().policy
+    sources = {}
     for on in (False, True):
         with remat3(on):
             residuals = saved_residuals(jax.checkpoint(layer, policy=policy), x, w1, w2)
@@ -131,12 +156,12 @@ def test_the_policy_taken_out_under_remat3_warns(peak_plan: PeakPlan) -> None:
 
 
 @pytest.mark.parametrize("on", [False, True], ids=["remat2", "remat3"])
-def test_a_peak_plan_measures_its_prediction_under_either_flag(peak_plan: PeakPlan, flag_off,
-                                                               on: bool) -> None:
+def test_a_peak_plan_measures_its_prediction_under_either_flag(
+        model: Model, peak_plan: PeakPlan, flag_off, on: bool) -> None:
     reference, reference_flops = flag_off
     with remat3(on):
-        check = peak_plan.verify(stack, peak=True)
-        flops = _step_flops(peak_plan.apply(stack))
+        check = peak_plan.verify(model.fun, peak=True)
+        flops = model.step_flops(peak_plan.apply(model.fun))
     assert check.measured_peak_bytes == peak_plan.peak_bytes
     assert check.measured_peak_bytes == reference.measured_peak_bytes
     assert check.measured_bytes == peak_plan.residual_bytes
@@ -144,9 +169,10 @@ def test_a_peak_plan_measures_its_prediction_under_either_flag(peak_plan: PeakPl
     assert flops == reference_flops
 
 
-def test_optimize_under_remat3_answers_the_flag_off_plan(peak_plan: PeakPlan) -> None:
+def test_optimize_under_remat3_answers_the_flag_off_plan(model: Model,
+                                                         peak_plan: PeakPlan) -> None:
     with remat3(True):
-        plan = optimize_peak(stack)
+        plan = model.optimize()
     assert plan.saved_keys == peak_plan.saved_keys
     assert (plan.peak_bytes, plan.recompute_flops) == (peak_plan.peak_bytes,
                                                        peak_plan.recompute_flops)
@@ -158,7 +184,7 @@ def test_a_users_own_checkpoint_is_planned_the_same_under_remat3() -> None:
     plans = {}
     for on in (False, True):
         with remat3(on):
-            plan = optimize_peak(stack_with_own_checkpoint)
+            plan = MODELS["scan_stack"].optimize(stack_with_own_checkpoint)
             check = plan.verify(stack_with_own_checkpoint, peak=True)
         assert check.measured_peak_bytes == plan.peak_bytes, on
         plans[on] = (plan.saved_keys, plan.peak_bytes, plan.recompute_flops)
