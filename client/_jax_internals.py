@@ -117,13 +117,13 @@ def remat2() -> contextlib.AbstractContextManager:
     """JAX's partial-eval remat path (``remat_p``) in force within, whatever the user set:
     the path whose policy is offered every known equation of the JVP'd jaxpr, which is
     what a plan's graph models. ``jax.checkpoint`` reads the flag when the checkpointed
-    function is called (0.11, 0.12) or built (0.10), ``checkpoint_name`` when it is bound."""
+    function is called (0.12) or built (0.10, 0.11), ``checkpoint_name`` when it is bound."""
     return REMAT3(False) if REMAT3 is not None else contextlib.nullcontext()
 
 
 def checkpoint(fun: Callable, *, policy: Any, prevent_cse: bool = True) -> Callable:
     """``jax.checkpoint(fun, policy=policy)`` on JAX's partial-eval path under either flag
-    (0.10 reads the flag when ``jax.checkpoint`` is called, 0.11 and 0.12 when the
+    (0.10 and 0.11 read the flag when ``jax.checkpoint`` is called, 0.12 when the
     checkpointed function is)."""
     with remat2():
         checkpointed = jax.checkpoint(fun, policy=policy, prevent_cse=prevent_cse)
