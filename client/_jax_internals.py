@@ -16,14 +16,23 @@ installed JAX offers (not by its version number), and offered as accessors:
   consts)``, ``.jaxpr`` and ``.consts`` as legacy forms); ``ClosedJaxpr`` below
   is the public ``jax.extend.core`` alias, whichever type that is;
 * primitives that exist only on some versions (``OPTIONAL_PRIMITIVES``), e.g.
-  ``one_minus_square`` (0.12), which tanh's derivative emits.
+  ``one_minus_square`` (0.12), which tanh's derivative emits;
+* the ``jax_remat3`` flag (``REMAT3``): JAX's newer remat path offers a policy
+  only dots, convolutions and named values, never the other equations of a
+  plan nor the values its derivatives add (``one_minus_square``), so every
+  checkpoint optiremat builds runs on JAX's partial-eval path whatever the
+  flag says (``remat2``, ``checkpoint``).
 
 docs/design.md ("Adding a JAX version") says what to check for a new release.
 """
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import inspect
+from collections.abc import Callable
+from typing import Any
 
 import jax
 import jax.extend.core
@@ -51,6 +60,7 @@ if not (SUPPORTED_JAX[0] <= _installed < SUPPORTED_JAX[1]):
 # The modules that define the primitives client.primitives names (re-exported).
 from jax._src import (  # noqa: F401
     ad_util,
+    config,
     core,
     custom_derivatives,
     dispatch,
@@ -92,6 +102,38 @@ OPTIONAL_PRIMITIVES: dict[str, core.Primitive] = {
     for name in ("one_minus_square",)
     if hasattr(lax_ops, f"{name}_p")
 }
+
+
+# The jax_remat3 flag, where the installed JAX has it (a thread-local config state).
+REMAT3: Any = getattr(config, "remat3", None)
+
+
+def remat3_on() -> bool:
+    """Whether ``jax.checkpoint`` and ``checkpoint_name`` take JAX's remat3 path now."""
+    return bool(REMAT3 is not None and REMAT3.value)
+
+
+def remat2() -> contextlib.AbstractContextManager:
+    """JAX's partial-eval remat path (``remat_p``) in force within, whatever the user set:
+    the path whose policy is offered every known equation of the JVP'd jaxpr, which is
+    what a plan's graph models. ``jax.checkpoint`` reads the flag when the checkpointed
+    function is called (0.12) or built (0.10, 0.11), ``checkpoint_name`` when it is bound."""
+    return REMAT3(False) if REMAT3 is not None else contextlib.nullcontext()
+
+
+def checkpoint(fun: Callable, *, policy: Any, prevent_cse: bool = True) -> Callable:
+    """``jax.checkpoint(fun, policy=policy)`` on JAX's partial-eval path under either flag
+    (0.10 and 0.11 read the flag when ``jax.checkpoint`` is called, 0.12 when the
+    checkpointed function is)."""
+    with remat2():
+        checkpointed = jax.checkpoint(fun, policy=policy, prevent_cse=prevent_cse)
+
+    @functools.wraps(fun)
+    def on_remat2(*args, **kwargs):
+        with remat2():
+            return checkpointed(*args, **kwargs)
+
+    return on_remat2
 
 
 def jvp_jaxpr(closed: ClosedJaxpr, nonzeros: list[bool]) -> tuple[core.Jaxpr, list]:

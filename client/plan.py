@@ -22,11 +22,12 @@ from typing import Any, ClassVar, Literal
 
 import jax
 
+import optiremat.client._jax_internals as jx
 from optiremat.client.extract import Traced, graph_of_traced, trace
 from optiremat.client.measure import Residual, backward_flops, saved_residuals
 from optiremat.client.names import tag_every_value
 from optiremat.client.peak.placement import Placement, keeps_barriers
-from optiremat.client.policy import KeyPolicy
+from optiremat.client.policy import KeyPolicy, warn_under_remat3
 from optiremat.client.schedule import schedule_advice
 from optiremat.client.step import lowered_peak
 from optiremat.solver.errors import OptirematError
@@ -62,7 +63,14 @@ class NamesForm:
 
     @property
     def policy(self):
-        if not self.offloaded:  # the plain form, which JAX's remat3 path honours too
+        """``save_only_these_names`` of ``names`` (and offload). ``fun`` names its values
+        with JAX's partial-eval ``name`` primitive, which the remat3 path does not read:
+        with ``jax_remat3`` on it warns, and ``checkpoint()`` holds under either flag."""
+        warn_under_remat3()
+        return self._names_policy()
+
+    def _names_policy(self):
+        if not self.offloaded:
             return jax.checkpoint_policies.save_only_these_names(*sorted(self.names))
         return jax.checkpoint_policies.save_and_offload_only_these_names(
             names_which_can_be_saved=sorted(self.names),
@@ -83,7 +91,7 @@ class NamesForm:
         return self.solution.recompute_flops
 
     def checkpoint(self) -> Callable:
-        return jax.checkpoint(self.fun, policy=self.policy)
+        return jx.checkpoint(self.fun, policy=self._names_policy())
 
 
 @dataclass(frozen=True)
@@ -253,7 +261,13 @@ class Plan:
 
     @property
     def policy(self) -> KeyPolicy:
-        """The policy of every region (a peak plan) or of one checkpoint around ``fun``."""
+        """The policy of every region (a peak plan) or of one checkpoint around ``fun``.
+        With ``jax_remat3`` on, JAX would not ask it about most of what it saves: it warns
+        (``client.policy``); ``apply`` and ``checkpoint`` hold under either flag."""
+        warn_under_remat3()
+        return self._key_policy()
+
+    def _key_policy(self) -> KeyPolicy:
         if not self.tied:
             raise PlanError(
                 "this plan decides equations one by one (tie=False), which a stateless policy "
@@ -308,7 +322,7 @@ class PeakPlan(Plan):
         """``fun`` with each region's ``lax.scan`` body checkpointed per iteration by the
         plan's policy: ``jax.jit(jax.grad(plan.apply(loss)))`` is the whole change a user
         makes. ``fun`` is traced once per structure and types of its arguments."""
-        return self.placement.apply(fun, self.policy, self.solution.groups)
+        return self.placement.apply(fun, self._key_policy(), self.solution.groups)
 
     def verify(self, fun: Callable | None = None, *args, flops: bool = False, peak: bool = False,
                **kwargs) -> Verification:
@@ -375,7 +389,7 @@ class ResidualPlan(Plan):
         if self.tied:
             if fun is None:
                 raise PlanError("pass the function to checkpoint: plan.checkpoint(fun)")
-            return jax.checkpoint(fun, policy=self.policy)
+            return jx.checkpoint(fun, policy=self._key_policy())
         return self.names.checkpoint()
 
     def apply(self, fun: Callable) -> Callable:
@@ -398,8 +412,7 @@ class ResidualPlan(Plan):
         if flops:
             base_fun = fun if self.tied else self.names.fun
             assert base_fun is not None  # checkpoint(None) of a tied plan raised above
-            everything = jax.checkpoint(base_fun,
-                                        policy=jax.checkpoint_policies.everything_saveable)
+            everything = jx.checkpoint(base_fun, policy=jax.checkpoint_policies.everything_saveable)
             measured_flops = (backward_flops(checkpointed, *args, **kwargs)
                               - backward_flops(everything, *args, **kwargs))
         device = sum(r.bytes for r in residuals if not r.host)

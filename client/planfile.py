@@ -79,8 +79,9 @@ class PlanFile(BaseModel):
 
     def policy(self) -> KeyPolicy:
         """The policy for ``jax.checkpoint`` (tied plans only)."""
-        from optiremat.client.policy import KeyPolicy
+        from optiremat.client.policy import KeyPolicy, warn_under_remat3
 
+        warn_under_remat3()
         if not self.solution.options.tie:
             raise ValueError("an untied plan has no stateless policy: re-run optimize() "
                              "for its names form")

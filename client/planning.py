@@ -27,7 +27,7 @@ from optiremat.client.plan import (
 )
 from optiremat.client.step import Step
 from optiremat.solver.graph import CostGraph
-from optiremat.solver.solve import solve
+from optiremat.solver.out_of_process import local_solve
 from optiremat.solver.step import Memory
 
 
@@ -112,7 +112,7 @@ def optimize(fun: Callable, *args, budget: int | str, memory: Literal["peak", "r
     """
     return plan_for(fun, args, budget, tie, dict(options, memory=memory, argnums=argnums,
                                                   donate_argnums=donate_argnums, refine=refine),
-                    solve)
+                    local_solve)  # a child process where OR-Tools is unsafe here
 
 
 def plan_for(fun: Callable, args: tuple, budget: int | str, tie: bool, options: dict[str, Any],

@@ -67,7 +67,8 @@ def test_a_jax_outside_the_range_is_refused_naming_the_range() -> None:
 
 def test_remat3_is_off_by_default() -> None:
     """A key policy (a callable over (prim, avals, params)) is what jax.checkpoint consults
-    by default; the names form is the plan's answer where remat3 is switched on."""
+    by default; where remat3 is switched on, a plan still builds its checkpoints on this
+    path (tests/test_remat3.py)."""
     assert jax.config.jax_remat3 is False
 
 

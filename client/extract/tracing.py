@@ -49,7 +49,8 @@ def trace(fun: Callable, args: Sequence, kwargs: dict) -> Traced:
         return leaves_out
 
     layout = mesh_layout(flat_args, argument_names(in_tree, len(flat_args)))
-    closed = jax.make_jaxpr(flat_fun)(*flat_args)
+    with jx.remat2():  # the user's own checkpoints as remat_p, which extraction reads
+        closed = jax.make_jaxpr(flat_fun)(*flat_args)
     return Traced(jx.close_with_consts_as_inputs(closed), closed.jaxpr, list(closed.consts),
                   in_tree,
                   out_tree_box[-1], len(closed.consts), flat_args, layout)

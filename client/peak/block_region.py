@@ -75,7 +75,7 @@ class BlockRegion(Region):
         # prevent_cse stays on: in straight-line code the barrier is what keeps XLA from
         # merging the recomputation back into the forward pass.
         with jx.user_context_of(eqns[0]):
-            return jax.checkpoint(block, policy=policy, prevent_cse=True)(*invals)
+            return jx.checkpoint(block, policy=policy, prevent_cse=True)(*invals)
 
     def calibration_program(self, saved_keys: frozenset[str] | None,
                             policy_of: Callable[[frozenset[str] | None], Policy]
@@ -92,7 +92,7 @@ class BlockRegion(Region):
             run_inlined(eqns, env)
             return [env[v] for v in outputs]
 
-        checkpointed = jax.checkpoint(block, policy=policy_of(saved_keys), prevent_cse=True)
+        checkpointed = jx.checkpoint(block, policy=policy_of(saved_keys), prevent_cse=True)
 
         def program(differentiated: Sequence, others: Sequence):
             return scalar_of(checkpointed(*interleave(diff, differentiated, rest, others)))

@@ -127,7 +127,7 @@ class ScanRegion(Region):
         # prevent_cse is off: the loop already keeps XLA from merging the recomputation
         # with the forward pass, and the barrier would stop fusion across it (JAX's advice
         # for checkpoints in scans).
-        checkpointed = jax.checkpoint(layer, policy=policy, prevent_cse=False)
+        checkpointed = jx.checkpoint(layer, policy=policy, prevent_cse=False)
 
         def step(carry, x):
             out = checkpointed(*consts, *carry, *x)
@@ -156,7 +156,7 @@ class ScanRegion(Region):
                    + self.structs(stacked, stacked_specs))
         diff = [i for i, d in enumerate(self.differentiated) if d]
         rest = [i for i, d in enumerate(self.differentiated) if not d]
-        checkpointed = jax.checkpoint(lambda *xs: jx.eval_jaxpr(body.jaxpr, body.consts, *xs),
+        checkpointed = jx.checkpoint(lambda *xs: jx.eval_jaxpr(body.jaxpr, body.consts, *xs),
                                       policy=policy_of(saved_keys), prevent_cse=False)
 
         def program(differentiated: Sequence, others: Sequence):
@@ -227,7 +227,7 @@ def _grouped_scan(step: Callable, init: list, xs: list, length: int, groups: int
     def group(carry, xs_group):
         return lax.scan(step, carry, xs_group, length=per_group, unroll=unroll)
 
-    rematerialised = jax.checkpoint(group, policy=jax.checkpoint_policies.nothing_saveable,
+    rematerialised = jx.checkpoint(group, policy=jax.checkpoint_policies.nothing_saveable,
                                     prevent_cse=False)
     grouped = [x.reshape(groups, per_group, *x.shape[1:]) for x in xs]
     carry, ys = lax.scan(rematerialised, init, grouped, length=groups)
