@@ -13,7 +13,6 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
-import jax
 import jax.numpy as jnp
 
 import optiremat.client._jax_internals as jx
