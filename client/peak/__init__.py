@@ -3,8 +3,13 @@
 The room of the peak model, in the order one ``optimize(..., memory="peak")``
 call goes through it (``planner.plan_peak``):
 
-* ``placement``: the regions, one per differentiated ``lax.scan``, and the
-  function rebuilt with a checkpoint per iteration inside each;
+* ``regions``: what a region is, one protocol (how it is placed, calibrated and
+  summarised on the wire), and its kinds: ``scan_region`` (a differentiated
+  ``lax.scan``'s body, per iteration) and ``block_region`` (straight-line code,
+  once);
+* ``finding``: where they are (scans, the user's checkpoints, repeated blocks
+  by ``repeats``, or named scopes), and why a function has none;
+* ``placement``: the function rebuilt with each region checkpointed;
 * ``step_graph``: the step's cost graph, walked with those regions in place,
   and what the step holds (``client.step``: arguments, gradients, XLA's figures);
 * ``calibration``: each phase's working set, from the compiles of the step
