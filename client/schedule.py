@@ -32,8 +32,6 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from optiremat.client.step import memory_analysis
-
 # The pass that removes checkpoint barriers, and how to disable it for one compile.
 BARRIER_PASS = "cse_barrier_expander"
 MEMORY_SCHEDULE_OPTIONS: dict[str, str] = {"xla_disable_hlo_passes": BARRIER_PASS}
@@ -62,7 +60,7 @@ def _probe_temp_bytes(checkpointed: bool) -> int:
     ws = jax.ShapeDtypeStruct((4, 2, 32, 32), jnp.float32)
     x = jax.ShapeDtypeStruct((64, 32), jnp.float32)
     compiled = jax.jit(jax.grad(loss)).lower(ws, x).compile()
-    return int(memory_analysis(compiled).temp_size_in_bytes)
+    return int(compiled.memory_analysis().temp_size_in_bytes)
 
 
 @functools.cache

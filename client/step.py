@@ -22,6 +22,7 @@ import numpy as np
 
 from optiremat.client.cost_model import aval_bytes
 from optiremat.client.hlo_collectives import collectives
+from optiremat.client.schedule import memory_compile_options
 from optiremat.solver.errors import OptirematError
 
 
@@ -42,7 +43,6 @@ def compiled_for_memory(lowered: jax.stages.Lowered,
     """``lowered`` compiled to read its memory analysis: an executable never to be run.
     With ``keep_barriers`` (a plan with checkpoints in straight-line code), under the
     schedule that keeps them apart from the forward pass (``client.schedule``)."""
-    from optiremat.client.schedule import memory_compile_options
     if jax.default_backend() == "cpu":
         extra = memory_compile_options() if keep_barriers else {}
         return lowered.compile({**MEMORY_ONLY_OPTIONS, **extra})

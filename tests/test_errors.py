@@ -26,6 +26,7 @@ from optiremat.client.extract.state import ExtractionError
 from optiremat.client.remote import RematClient
 from optiremat.client.target import TargetError
 from optiremat.solver.graph import CostGraph
+from optiremat.solver.out_of_process import SolveProcessError
 from optiremat.solver.solution import InfeasibleBudgetError
 from optiremat.solver.solve import min_feasible_budget
 from optiremat.solver.step import StepMemory
@@ -43,6 +44,7 @@ BUILTIN_OF: dict[type[Exception], type[Exception]] = {
     optiremat.PlanFileError: ValueError,
     TargetError: ValueError,
     optiremat.PlanError: RuntimeError,
+    SolveProcessError: RuntimeError,
     optiremat.BudgetError: ValueError,
     optiremat.PlacementError: ValueError,
     optiremat.ShardingError: ValueError,
