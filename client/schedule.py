@@ -60,7 +60,8 @@ def _probe_temp_bytes(checkpointed: bool) -> int:
     ws = jax.ShapeDtypeStruct((4, 2, 32, 32), jnp.float32)
     x = jax.ShapeDtypeStruct((64, 32), jnp.float32)
     compiled = jax.jit(jax.grad(loss)).lower(ws, x).compile()
-    return int(compiled.memory_analysis().temp_size_in_bytes)
+    analysis = compiled.memory_analysis()
+    return 0 if analysis is None else int(analysis.temp_size_in_bytes)
 
 
 @functools.cache
