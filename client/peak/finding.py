@@ -151,7 +151,7 @@ class _Finder:
         eqns = jaxpr.eqns[start:end]
         inputs, outputs = interface(eqns, {v for v, u in last_read.items() if u >= end})
         return BlockRegion(index=len(self.found), path=path, start=start, end=end,
-                           source=jx.source_of(eqns[0]),
+                           source=_user_source(eqns),
                            differentiated=tuple(bool(env.get(v, False)) for v in inputs),
                            how=how, eqns=tuple(eqns), inputs=tuple(inputs),
                            outputs=tuple(outputs))
@@ -232,6 +232,19 @@ class _Finder:
             end = padded.find("/", at + 1 + len(scope.strip("/")))
             return padded[1:] if end < 0 else padded[1:end]
         return None
+
+
+def _user_source(eqns: Sequence) -> str:
+    """Where a block is in the user's code: its first equation outside installed
+    libraries (an Equinox layer's first equation is in Equinox's LayerNorm), with the
+    name scope it runs under, if any (a Flax module's path)."""
+    sources = [jx.source_of(e) for e in eqns]
+    source = next((s for s in sources if not any(d in s for d in _LIBRARIES)), sources[0])
+    scope = str(eqns[0].source_info.name_stack)
+    return f"{source} in {scope}" if scope else source
+
+
+_LIBRARIES = ("site-packages", "dist-packages")
 
 
 def _joined(prefix: str, name: str) -> str:
