@@ -188,6 +188,48 @@ def residual_stack(layers: int = 16, d: int = 128, batch: int = 512) -> tuple[Ca
     return loss, (ws, x)
 
 
+# ---- named axes: every op mapped over the token axes, the stack fully unrolled ------
+
+
+def named_axes_layer(heads: int) -> Callable[[jax.Array, Params], jax.Array]:
+    """A decoder layer as libraries with named-axis arrays write it (penzai's
+    ``nmap``): each op a function of one token or one head, ``vmap``-ed over the
+    others, the axes moved around each contraction."""
+    def tokens(f: Callable) -> Callable:  # over batch and sequence
+        return jax.vmap(jax.vmap(f))
+
+    def norm(x: jax.Array, scale: jax.Array) -> jax.Array:
+        return x * lax.rsqrt(jnp.mean(x * x) + 1e-6) * (1 + scale)
+
+    def layer(h: jax.Array, p: Params) -> jax.Array:
+        b, t, d = h.shape
+        x = tokens(lambda v: norm(v, p["norm1"]))(h)
+        q, k, v = (jnp.moveaxis(tokens(lambda v, w=p[w]: v @ w)(x).reshape(b, t, heads, -1),
+                                2, 1) for w in ("w_q", "w_k", "w_v"))
+        heads_of = jax.vmap(jax.vmap(lambda q, k: jax.nn.softmax(q @ k.T / 8.0, -1)))
+        o = jax.vmap(jax.vmap(lambda a, v: a @ v))(heads_of(q, k), v)
+        h = h + tokens(lambda v: v @ p["w_o"])(jnp.moveaxis(o, 1, 2).reshape(b, t, d))
+        x = tokens(lambda v: norm(v, p["norm2"]))(h)
+        return h + tokens(lambda v: jax.nn.gelu(v @ p["w_1"]) @ p["w_2"])(x)
+    return layer
+
+
+def named_axes(layers: int = 4, d: int = 256, ffn: int = 1024, heads: int = 8,
+               batch: int = 4, seq: int = 128) -> tuple[Callable, tuple]:
+    """penzai's layer stack: a ``lax.scan`` with ``unroll=True``, which XLA sees as
+    straight-line code (plans place it as a loop: ``scan_region.looped_unroll``)."""
+    params = _weights(8, layers, {
+        "w_q": (d, d), "w_k": (d, d), "w_v": (d, d), "w_o": (d, d), "w_1": (d, ffn),
+        "w_2": (ffn, d), "norm1": (d,), "norm2": (d,)}, jnp.float32)
+    x = jnp.asarray(np.random.default_rng(9).standard_normal((batch, seq, d)), jnp.float32)
+    layer = named_axes_layer(heads)
+
+    def loss(params: Params, x: jax.Array) -> jax.Array:
+        h, _ = lax.scan(lambda h, p: (layer(h, p), None), x, params, unroll=True)
+        return jnp.mean(jnp.square(h))
+    return loss, (params, x)
+
+
 @dataclass(frozen=True)
 class Model:
     name: str
@@ -201,4 +243,5 @@ CORPUS = [
     Model("vit_L12", lambda: vit(layers=12)),
     Model("mlp_L32", lambda: mlp(layers=32)),
     Model("cnn_L6", lambda: cnn(layers=6)),
+    Model("named_axes_L4", lambda: named_axes(layers=4)),
 ]

@@ -165,3 +165,24 @@ def test_a_sweep_with_the_steps_regions_predicts_xlas_peaks() -> None:
         keys = frozenset(k for k, s in zip(g.node_key, saves, strict=True) if s and k)
         measured = lowered_peak(STEP.function(_applied(fun, extracted, keys)).lower(*args))
         assert measured <= point.peak_bytes <= 1.005 * measured, name
+
+
+def test_a_fully_unrolled_scan_is_placed_as_the_loop_it_is_priced_as() -> None:
+    """``lax.scan(unroll=True)`` (penzai's layer stack, here in its named-axis style) is
+    straight-line code to XLA, where per-layer checkpoints merge with the forward pass:
+    placed as written, nothing_saveable held the no-remat peak and everything_saveable
+    was priced 80% over XLA. Placed as a loop, each built-in is priced to 1% and a
+    checkpoint per layer lowers the peak as the scan model says."""
+    from optiremat.client.frontier import graph_builtin_points
+
+    _, fun, args, extracted = _corpus_model("named_axes_L4")
+    g = extracted.graph
+    no_remat = lowered_peak(STEP.function(fun).lower(*args))
+    points = graph_builtin_points(g, extracted.regions)
+    measured = {}
+    for name, saves in policy_saves(g).items():
+        keys = frozenset(k for k, s in zip(g.node_key, saves, strict=True) if s and k)
+        measured[name] = lowered_peak(STEP.function(_applied(fun, extracted, keys)).lower(*args))
+        assert abs(points[name].peak_bytes - measured[name]) <= 0.01 * measured[name], name
+    assert measured["nothing_saveable"] < 0.6 * no_remat
+    assert min_feasible_budget(g) <= measured["nothing_saveable"]

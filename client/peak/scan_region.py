@@ -133,14 +133,15 @@ class ScanRegion(Region):
             out = checkpointed(*consts, *carry, *x)
             return list(out[:nk]), list(out[nk:])
 
+        unroll = looped_unroll(p["unroll"], self.length)
         # The rebuilt scan keeps the user's scan's place in their code (what explain and
         # error messages name), not this line's.
         with jx.user_context_of(eqn):
             if groups == 1:
                 carry, ys = lax.scan(step, init, xs, length=self.length, reverse=p["reverse"],
-                                     unroll=p["unroll"])
+                                     unroll=unroll)
                 return [*carry, *ys]
-            return _grouped_scan(step, init, xs, self.length, groups, p["unroll"])
+            return _grouped_scan(step, init, xs, self.length, groups, unroll)
 
     def calibration_program(self, saved_keys: frozenset[str] | None,
                             policy_of: Callable[[frozenset[str] | None], Policy]
@@ -188,6 +189,22 @@ class ScanRegion(Region):
                         for i, a in zip(carries, self.carry_avals, strict=True)
                         if jnp.issubdtype(a.dtype, jnp.inexact))
         return cotangent - first_input
+
+
+def looped_unroll(unroll: int | bool, length: int) -> int | bool:
+    """The unroll a placed scan takes: the user's, unless it unrolls every layer.
+
+    A fully unrolled scan is straight-line code, where a checkpoint without
+    ``prevent_cse`` is merged by XLA with the forward pass it recomputes: the
+    layers then keep what they would without remat, and the stack is priced as
+    the loop it no longer is. Measured (tests/peak_models.py's ``named_axes_L4``,
+    ``lax.scan(unroll=True)`` as penzai's layer stack writes it): nothing_saveable
+    per layer held the no-remat peak, everything_saveable was priced 80% over
+    XLA's. Placed as a loop, the plan's layers hold what the scan model prices.
+    """
+    if unroll is True or (not isinstance(unroll, bool) and unroll >= length):
+        return 1
+    return unroll
 
 
 def divisors(length: int) -> list[int]:
