@@ -28,6 +28,7 @@ from optiremat.client.plan import (
 from optiremat.client.step import Step
 from optiremat.solver.graph import CostGraph
 from optiremat.solver.out_of_process import local_solve
+from optiremat.solver.solution import InfeasibleBudgetError
 from optiremat.solver.step import Memory
 
 
@@ -113,6 +114,16 @@ def optimize(fun: Callable, *args, budget: int | str, memory: Literal["peak", "r
     return plan_for(fun, args, budget, tie, dict(options, memory=memory, argnums=argnums,
                                                   donate_argnums=donate_argnums, refine=refine),
                     local_solve)  # a child process where OR-Tools is unsafe here
+
+
+def smallest_budget(fun: Callable, *args, **options) -> int:
+    """The smallest budget ``optimize(fun, *args, **options)`` plans: what its
+    ``InfeasibleBudgetError`` names, the same whatever was planned before."""
+    try:
+        optimize(fun, *args, budget=1, **options)
+    except InfeasibleBudgetError as err:
+        return err.min_budget_bytes
+    return 1  # a plan that holds nothing: no argument, no residual
 
 
 def plan_for(fun: Callable, args: tuple, budget: int | str, tie: bool, options: dict[str, Any],

@@ -30,9 +30,9 @@ from optiremat.solver import (
     SolveOptions,
     SolveStatus,
     max_useful_budget,
-    min_feasible_budget,
     solve,
 )
+from optiremat.solver import min_feasible_budget as _priced_min_feasible_budget
 
 if TYPE_CHECKING:
     from optiremat.client import (
@@ -113,6 +113,21 @@ __all__ = [
     "solve",
     "sweep",
 ]
+
+
+def min_feasible_budget(graph_or_fun: Any, *args: Any, **options: Any) -> int:
+    """The smallest feasible budget. Of a ``CostGraph``: the least its model prices a
+    plan at (``optiremat.solver.min_feasible_budget``, whose options ``args`` and
+    ``options`` are). Of a function at ``args``: the smallest budget
+    ``optimize(fun, *args, **options)`` plans, which its ``InfeasibleBudgetError``
+    names too (measured: the plans' steps compiled; ``client.peak.refine``)."""
+    if isinstance(graph_or_fun, CostGraph):
+        return _priced_min_feasible_budget(graph_or_fun, *args, **options)
+    from optiremat.client.planning import smallest_budget
+
+    return smallest_budget(graph_or_fun, *args, **options)
+
+
 # What __getattr__ imports from optiremat.client on first use.
 _CLIENT_NAMES = frozenset(__all__) - frozenset(globals())
 
