@@ -26,6 +26,7 @@ from optiremat.client.step import Step, lowered_peak
 from optiremat.solver.baselines import builtin_offered_saves
 from optiremat.solver.peak import BudgetView
 from optiremat.solver.semantics import recompute_flops
+from tests.explain_checks import check_explained
 from tests.lm_models import PRESETS, dot_flops, lm
 
 # Among the suite's longest: handed out first (tests/conftest.py).
@@ -139,9 +140,13 @@ def test_no_named_preset_reaches_a_peak_the_plans_cannot() -> None:
 
 
 def test_explain_names_the_phase_that_sets_the_peak() -> None:
-    text = _plan("head", "nothing_saveable").explain()
+    plan = _plan("head", "nothing_saveable")
+    text = plan.explain()
     assert "peak outside the regions" in text
     assert "backward of region 0" in text
+    for policy in ("nothing_saveable", "dots_saveable"):
+        plan = _plan("head", policy)
+        check_explained(plan.graph, plan.solution)
 
 
 def test_gradients_are_unchanged() -> None:
@@ -176,6 +181,7 @@ def test_the_minimum_an_infeasible_budget_names_is_the_one_optimize_plans() -> N
     assert optiremat.min_feasible_budget(fun, *args) == least
     plan = optiremat.optimize(fun, *args, budget=least)
     assert plan.peak_bytes == _peak(plan.apply(fun), args) <= least
+    check_explained(plan.graph, plan.solution)
     with pytest.raises(optiremat.InfeasibleBudgetError) as err:
         optiremat.optimize(fun, *args, budget=least - 1)
     assert err.value.min_budget_bytes == least

@@ -20,6 +20,7 @@ from optiremat.client.step import Step, lowered_peak
 from optiremat.solver.baselines import policy_saves
 from optiremat.solver.semantics import evaluate, recompute_flops
 from optiremat.solver.solve import max_useful_budget, min_feasible_budget, solve
+from tests.explain_checks import check_explained
 from tests.peak_models import CORPUS, Model
 
 # Among the suite's longest: handed out first (tests/conftest.py).
@@ -75,7 +76,8 @@ def _measured_residual_bytes(fun, args, extracted: StepExtraction, saved: frozen
 def test_a_plan_predicts_xlas_peak_and_keeps_the_budget(model) -> None:
     """Refined against its own working set (``client.peak.refine``), a plan's predicted peak
     is within 5% of XLA's at the ends and the middle of the frontier, and XLA's peak
-    keeps the budget at all three (bench/peak.py: within 3% on 16 points a model)."""
+    keeps the budget at all three (bench/peak.py: within 3% on 16 points a model);
+    its explanation adds up to it."""
     m, fun, args, extracted = model
     g = extracted.graph
     low, high = min_feasible_budget(g), max_useful_budget(g)
@@ -85,6 +87,7 @@ def test_a_plan_predicts_xlas_peak_and_keeps_the_budget(model) -> None:
         measured = lowered_peak(STEP.function(
             _applied(fun, extracted, frozenset(sol.saved_keys), sol.groups)).lower(*args))
         assert sol.peak_bytes <= budget
+        check_explained(g, sol)
         assert abs(sol.peak_bytes - measured) <= 0.05 * measured, \
             f"{m.name} at {budget}: predicted {sol.peak_bytes}, measured {measured}"
         assert measured <= budget, f"{m.name}: measured {measured} over budget {budget}"

@@ -24,6 +24,7 @@ from optiremat.client.step import Step, lowered_peak
 from optiremat.solver.graph import KINDS_SCHEMA_VERSION, CostGraph
 from optiremat.solver.solution import InfeasibleBudgetError
 from optiremat.solver.step import RegionFound, RegionKind
+from tests.explain_checks import check_explained
 
 D, B, LAYERS = 64, 256, 4
 STEP = Step.of(0)
@@ -191,6 +192,9 @@ def test_a_budget_no_region_can_reach_says_why() -> None:
                        "no differentiated lax.scan, no checkpoint of yours") as err:
         optiremat.optimize(single_layer, w, X, budget=peak // 2)
     assert err.value.min_budget_bytes >= peak // 2
+    # At that budget: a plan whose explanation adds up (it printed a negative working set).
+    plan = optiremat.optimize(single_layer, w, X, budget=err.value.min_budget_bytes)
+    check_explained(plan.graph, plan.solution)
 
 
 def test_blocks_warn_where_this_process_would_merge_their_recomputation() -> None:

@@ -20,6 +20,7 @@ import optiremat
 from optiremat.client.schedule import ScheduleWarning
 from optiremat.client.step import Step, lowered_peak
 from optiremat.solver.solution import InfeasibleBudgetError
+from tests.explain_checks import check_explained
 from tests.unrolled_models import BUILTINS, MODELS
 
 STEP = Step.of(0)
@@ -52,6 +53,7 @@ def test_plans_fit_are_exact_and_reach_the_per_block_builtins(name: str) -> None
         measured = _peak(plan.apply(fun), args)
         assert measured <= budget
         assert abs(plan.peak_bytes - measured) <= 0.01 * measured
+        check_explained(plan.graph, plan.solution)
         peaks.append(measured)
     assert peaks == sorted(peaks, reverse=True)
     got, want = jax.grad(plan.apply(fun))(*args), jax.grad(fun)(*args)
