@@ -10,11 +10,11 @@ from __future__ import annotations
 
 import math
 import re
-from dataclasses import dataclass
 
+from optiremat.solver.breakdown import WHOLE_STEP, PeakBreakdown, breakdown
 from optiremat.solver.graph import CostGraph
 from optiremat.solver.nesting import forward_flops
-from optiremat.solver.peak import BudgetView, Phase, nesting_bytes
+from optiremat.solver.peak import BudgetView
 from optiremat.solver.semantics import Evaluation, evaluate
 from optiremat.solver.solution import Decision, Solution
 from optiremat.solver.step import RegionKind
@@ -48,59 +48,6 @@ def explain_plan(graph: CostGraph, solution: Solution, top: int | None = 20) -> 
     return "\n".join(lines)
 
 
-@dataclass(frozen=True)
-class PhaseFigure:
-    """What one phase of the step holds beyond the arguments, gradients and nested
-    groups' buffers, as the plan's prediction has it: ``planned + others + working -
-    freed == total``, every figure at least 0."""
-
-    name: str
-    region: int  # -1: outside every region (or the whole step, where it has no phases)
-    total: int
-    planned: int  # the plan's residuals, live in every phase
-    others: int  # residuals no plan changes that are live here
-    working: int  # its working set
-    freed: int  # residuals XLA frees before this phase's peak (measured under the price)
-    peak: bool  # the phase that sets the step's peak
-    priced: int  # what the peak model prices it at (``total`` where it is not corrected)
-
-    @property
-    def capped(self) -> bool:
-        """Priced over the peak the plan measured: it holds at most ``total``."""
-        return not self.peak and self.priced > self.total
-
-
-def phase_figures(graph: CostGraph, solution: Solution) -> list[PhaseFigure]:
-    """The step's phases with the plan's prediction spread over them, so that the
-    arguments, gradients, nested groups' buffers and the peak phase add up to
-    ``solution.peak_bytes``. A refined plan's peak is measured: what the model prices
-    is corrected in the phase that sets the peak (its working set), and a phase priced
-    over that measured peak holds at most it."""
-    step = graph.step
-    assert step is not None and solution.peak_bytes is not None
-    view = BudgetView.of(graph, None, solution.groups)
-    # The plan's residuals on the device (an offloaded one is on the host at the peak).
-    planned = view.predicted(solution.kept()) - view.held_bytes - solution.host_bytes
-    peak_total = solution.peak_bytes - step.held_bytes - nesting_bytes(step, _groups(
-        graph, solution))
-    phases = list(view.phases) or [Phase("the whole step", -1, 0)]
-    peak = max(phases, key=lambda p: p.fixed_bytes)
-    figures = []
-    for phase in phases:
-        priced = planned + phase.fixed_bytes
-        total = peak_total if phase is peak else min(priced, peak_total)
-        working = phase.working_bytes + total - priced  # the correction, where it lands
-        figures.append(PhaseFigure(phase.name, phase.region, total, planned,
-                                   phase.fixed_residual_bytes, max(working, 0),
-                                   max(-working, 0), phase is peak, priced))
-    return figures
-
-
-def _groups(graph: CostGraph, solution: Solution) -> list[int]:
-    assert graph.step is not None
-    return list(solution.groups or [1] * len(graph.step.regions))
-
-
 def peak_breakdown(graph: CostGraph, solution: Solution, evaluation: Evaluation) -> list[str]:
     """The predicted peak, term by term: the terms above the phases add up to it."""
     step = graph.step
@@ -119,9 +66,9 @@ def peak_breakdown(graph: CostGraph, solution: Solution, evaluation: Evaluation)
     def row(name: str, nbytes: int, note: str = "") -> str:
         return f"  {name:<26}{format_bytes(nbytes):>12}  {note}".rstrip()
 
-    figures = phase_figures(graph, solution)
-    peak = next(f for f in figures if f.peak)
-    groups = _groups(graph, solution)
+    terms = breakdown(graph, solution)
+    peak = terms.peak
+    groups = list(solution.groups or [1] * len(step.regions))
     within = "within" if solution.peak_bytes <= solution.budget_bytes else "OVER"
     lines = [f"peak of the training step {format_bytes(solution.peak_bytes)} predicted, "
              f"{within} the budget of {format_bytes(solution.budget_bytes)}:",
@@ -131,7 +78,7 @@ def peak_breakdown(graph: CostGraph, solution: Solution, evaluation: Evaluation)
         lines.append(row("- donated", step.alias_bytes, "gradients written over arguments"))
     nested = [(k, region) for k, region in zip(groups, step.regions, strict=True) if k != 1]
     if nested:
-        lines.append(row("nested groups' buffers", nesting_bytes(step, groups),
+        lines.append(row("nested groups' buffers", terms.nesting_bytes,
                          "; ".join(f"{format_bytes(k * r.carry_bytes)} of group inputs "
                                    f"({format_bytes(r.carry_bytes)} x {k} groups) and one "
                                    f"group's parameter slices, "
@@ -162,49 +109,49 @@ def peak_breakdown(graph: CostGraph, solution: Solution, evaluation: Evaluation)
                      "of yours or repeated block holding a matmul): the plan cannot move the "
                      "peak. Write the layers as lax.scan or a loop of jax.checkpoint blocks, "
                      "or name them with optimize(..., regions=[scope]).")
-    lines += phase_breakdown(graph, solution, figures)
+    lines += phase_breakdown(graph, solution, terms)
     return lines
 
 
 def phase_breakdown(graph: CostGraph, solution: Solution,
-                    figures: list[PhaseFigure] | None = None) -> list[str]:
+                    terms: PeakBreakdown | None = None) -> list[str]:
     """What each phase of the step holds beyond the arguments, gradients and nested
-    groups' buffers (``phase_figures``), and which one sets the peak."""
+    groups' buffers (``solver.breakdown``), and which one sets the peak."""
     step = graph.step
     assert step is not None
-    figures = phase_figures(graph, solution) if figures is None else figures
+    terms = breakdown(graph, solution) if terms is None else terms
     measured = solution.working_bytes is not None
     lines = ["phases of the step, beyond arguments, gradients and nested groups' buffers "
              "(the largest sets the peak):"]
-    for figure in figures:
-        if figure.region >= 0:
-            region = step.regions[figure.region]
+    for share in terms.phases:
+        if share.region >= 0:
+            region = step.regions[share.region]
             if region.kind == RegionKind.BLOCK:
                 where = f"the {region.describe()}, recomputed once"
                 working = "working set of its backward"
             else:
                 where = f"one layer at a time, {region.length} layers ({region.describe()})"
                 working = "working set of one layer's backward"
-        elif figure.name == "the whole step":
+        elif share.name == WHOLE_STEP:
             where, working = "the step", "working set"
         else:
             where = "the forward pass's end and the backward of what follows the last region"
             working = "working set"
-        if figure.peak:
+        if share.peak:
             working += " (measured for this plan)" if measured else " (calibrated)"
-        mark = "<- peak" if figure.peak else (
-            f"at most (priced {format_bytes(figure.priced)}, over the peak measured)"
-            if figure.capped else "")
-        lines.append(f"  {figure.name:<26}{format_bytes(figure.total):>12}  {mark}".rstrip())
-        freed = (f", less {format_bytes(figure.freed)} of residuals XLA frees before then"
-                 if figure.freed else "")
-        lines.append(f"    {where}: the plan's residuals {format_bytes(figure.planned)}, "
-                     f"others live there {format_bytes(figure.others)}, "
-                     f"{working} {format_bytes(figure.working)}{freed}")
-    peak = next(f for f in figures if f.peak)
+        mark = "<- peak" if share.peak else (
+            f"at most (priced {format_bytes(share.priced)}, over the peak measured)"
+            if share.capped else "")
+        lines.append(f"  {share.name:<26}{format_bytes(share.total):>12}  {mark}".rstrip())
+        freed = (f", less {format_bytes(share.freed)} of residuals XLA frees before then"
+                 if share.freed else "")
+        lines.append(f"    {where}: the plan's residuals {format_bytes(share.planned)}, "
+                     f"others live there {format_bytes(share.others)}, "
+                     f"{working} {format_bytes(share.working)}{freed}")
+    peak = terms.peak
     if peak.region >= 0:
         lines.append(f"peak at the {peak.name}")
-    elif peak.name != "the whole step":
+    elif peak.name != WHOLE_STEP:
         lines.append("peak outside the regions (the head's backward, where the step has one)")
     return lines
 
