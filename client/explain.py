@@ -26,7 +26,7 @@ def explain_plan(graph: CostGraph, solution: Solution, top: int | None = 20) -> 
     sol = solution
     lines = [f"plan for {graph.name or 'graph'} {graph.content_hash[:12]}: {sol.status}, "
              f"solved by {sol.solver} {sol.solver_version} in {sol.solve_seconds:.2f} s"]
-    if not sol.node_decisions:
+    if not sol.planned:
         return "\n".join([*lines, "no plan: the solver stopped before it found one"])
     evaluation = evaluate(graph, sol.kept())
     recomputed = [n for n in evaluation.active if graph.node_key[n]]

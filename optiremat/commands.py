@@ -407,4 +407,4 @@ def _explain(args: argparse.Namespace) -> int:
 
     plan = load_plan(args.plan)
     print(explain_plan(plan.graph, plan.solution, top=args.top))
-    return 0 if plan.solution.node_decisions else 1
+    return 0 if plan.solution.planned else 1

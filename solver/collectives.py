@@ -68,7 +68,7 @@ def report(graph: CostGraph, answer: Solution) -> Solution:
     and in nested groups' second forward pass (``nesting.forward_flops``'s), in FLOPs and
     in collective bytes."""
     update: dict[str, object] = {"graph_hash": graph.content_hash}
-    if answer.node_decisions:
+    if answer.planned:
         runs = [*evaluate(graph, answer.kept()).active, *nested_nodes(graph, answer.groups or ())]
         baseline = baseline_evaluation(graph).active
 

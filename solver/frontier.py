@@ -64,7 +64,7 @@ def solve_budgets(
         except InfeasibleBudgetError as err:
             result = err
         else:
-            if result.node_decisions:
+            if result.planned:
                 start = result.kept()
         results[budget] = result
         if on_point is not None:

@@ -112,7 +112,7 @@ def choose_groups(graph: CostGraph, budget: int, options: SolveOptions,
     if not answers:
         assert smallest is not None
         raise InfeasibleBudgetError(budget, smallest)
-    planned = [(g, a) for g, a in answers if a.node_decisions]
+    planned = [(g, a) for g, a in answers if a.planned]
     if not planned:  # every search stopped before a plan
         return answers[0][1]
     groups, best = min(planned, key=lambda ga: (_cost(ga[1]), sum(ga[0])))
@@ -159,7 +159,7 @@ def _with_groups(graph: CostGraph, answer: Solution, groups: Groups) -> Solution
     update: dict[str, object] = {
         "groups": list(groups), "recompute_flops": answer.recompute_flops + extra,
         "lower_bound_flops": answer.lower_bound_flops + extra}
-    if answer.node_decisions:
+    if answer.planned:
         update["residual_bytes"] = nested_residual_bytes(
             graph, answer.kept(), groups)
     return answer.model_copy(update=update)

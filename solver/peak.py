@@ -280,7 +280,7 @@ class BudgetView:
         if self.memory == Memory.RESIDUALS:
             return answer
         update: dict[str, Any] = {"graph_hash": graph.content_hash, "budget_bytes": budget}
-        if answer.node_decisions:
+        if answer.planned:
             full = evaluate(graph, answer.kept())
             update["residual_bytes"] = full.residual_bytes - answer.host_bytes
             update["peak_bytes"] = self.budget(answer.residual_bytes)

@@ -383,7 +383,7 @@ class FoldedSearch:
 
     def _unfold(self, answer: Solution, budget: int) -> Solution:
         update: dict[str, Any] = {"graph_hash": self.graph.content_hash}
-        if answer.node_decisions:
+        if answer.planned:
             unfolded = answer.model_copy(
                 update={"node_decisions": self.folded.expand(answer.node_decisions)})
             plan = evaluate_offload(self.graph, unfolded.kept(), unfolded.offloaded())

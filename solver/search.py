@@ -253,7 +253,7 @@ class Search:
             tied = search.solve(budget)
         except InfeasibleBudgetError:
             return None
-        if not tied.node_decisions:
+        if not tied.planned:
             return None
         return tied.saved()
 

@@ -144,6 +144,12 @@ class Solution(BaseModel):
     collective_bytes: StrictInt | None = Field(default=None, exclude_if=lambda v: v is None)
 
     @property
+    def planned(self) -> bool:
+        """Whether the answer carries a plan (a solve stopped before one, by its time
+        limit or a cancel, answers none: no ``node_decisions``)."""
+        return bool(self.node_decisions)
+
+    @property
     def host_bytes(self) -> int:
         """Residual bytes offloaded to host memory (0 without offload)."""
         return self.offload.host_bytes if self.offload is not None else 0

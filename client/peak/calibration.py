@@ -38,7 +38,7 @@ from optiremat.client.policy import KeyPolicy
 from optiremat.solver.graph import CostGraph
 from optiremat.solver.peak import priced_extra_bytes, step_phases, value_weights
 from optiremat.solver.semantics import evaluate
-from optiremat.solver.step import StepMemory
+from optiremat.solver.step import RegionMemory, StepMemory
 
 _measured: dict[tuple, tuple[int, int]] = {}
 
@@ -65,6 +65,16 @@ def assumed_working_bytes(region: Region) -> int:
     (``value_extra_bytes``), so that the two add up to what XLA holds."""
     measured, priced = _working_set(region, None)
     return max(measured - priced, 0)
+
+
+def working_bytes_in_step(region: Region, memory: RegionMemory, saved_keys: frozenset[str],
+                          priced_extra: int) -> int:
+    """The working set of ``region``'s backward as the step holds it with the policy keys
+    ``saved_keys`` saved: its program's figure (``working_bytes``) moved by what the step's
+    calibration found ``nothing_saveable``'s to be there (``memory.working_bytes`` against
+    ``assumed_working_bytes``), less ``priced_extra``, the f32 copies the graph prices."""
+    return (working_bytes(region, saved_keys) - priced_extra - assumed_working_bytes(region)
+            + memory.working_bytes)
 
 
 def _working_set(region: Region, saved_keys: frozenset[str] | None) -> tuple[int, int]:
@@ -141,8 +151,7 @@ def calibrate_phases(graph: CostGraph, regions: Sequence[Region],
             memories[k] = memories[k].model_copy(update={"working_bytes": max(in_step, 0)})
     every = frozenset(k for k in graph.node_key if k)
     extra = priced_extra_bytes(graph, [True] * graph.num_nodes)
-    saving = [working_bytes(r, every) - extra - assumed_working_bytes(r) + m.working_bytes
-              + p.fixed_residual_bytes
+    saving = [working_bytes_in_step(r, m, every, extra) + p.fixed_residual_bytes
               for r, m, p in zip(regions, memories, phases[:-1], strict=True)]
     full = bound(jax.checkpoint_policies.everything_saveable, True)
     outside = full if outside_sets_it(full, saving) else 0

@@ -41,7 +41,7 @@ from typing import Protocol
 
 import jax
 
-from optiremat.client.peak.calibration import assumed_working_bytes, working_bytes
+from optiremat.client.peak.calibration import working_bytes_in_step
 from optiremat.client.peak.placement import Placement, Region, keeps_barriers
 from optiremat.client.peak.step_graph import StepExtraction
 from optiremat.client.policy import KeyPolicy
@@ -81,7 +81,7 @@ def working_set_delta(graph: CostGraph, regions: Sequence[Region], saves: Sequen
     priced_extra = priced_extra_bytes(graph, saves, groups)
     # Each layer program's figure moved by what the step's calibration found its
     # nothing_saveable figure to be in the step (``calibrate_phases``).
-    own = [working_bytes(r, keys) - priced_extra - assumed_working_bytes(r) + memory.working_bytes
+    own = [working_bytes_in_step(r, memory, keys, priced_extra)
            for r, memory in zip(regions, graph.step.regions, strict=True)]
     return (BudgetView.of(graph, None, groups, own).held_bytes
             - BudgetView.of(graph, None, groups).held_bytes)
@@ -249,7 +249,7 @@ class _Refinement:
         stopped before a plan."""
         self.tried.add(shift)
         answer = self.solve_at(self.budget - shift)
-        if not answer.node_decisions or answer.peak_bytes is None:
+        if not answer.planned or answer.peak_bytes is None:
             self.unplanned = answer
             return None
         self.solved = answer
