@@ -41,8 +41,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
+from optiremat.client.peak.measures import step_measure  # noqa: E402
 from optiremat.client.peak.placement import Placement, keeps_barriers  # noqa: E402
-from optiremat.client.peak.refine import refined_solve, step_measure  # noqa: E402
+from optiremat.client.peak.refine import refined_solve  # noqa: E402
 from optiremat.client.peak.step_graph import step_extraction  # noqa: E402
 from optiremat.client.policy import KeyPolicy  # noqa: E402
 from optiremat.client.step import (  # noqa: E402

@@ -150,7 +150,7 @@ def graph_builtin_points(graph: CostGraph,
     """JAX's built-in policies as the graph prices them: the equations each saves of
     those it is offered; on a step's graph, applied in every region (a checkpoint per
     layer), with their predicted peaks, each with its own working set measured where
-    the step's ``regions`` are given (``client.peak.refine.working_set_delta``)."""
+    the step's ``regions`` are given (``client.peak.measures.working_set_delta``)."""
     base = baseline_backward_flops(graph)
     view = BudgetView.of(graph, None)
     points = {}
@@ -158,7 +158,7 @@ def graph_builtin_points(graph: CostGraph,
         ev = evaluate(graph, offered)
         peak = view.predicted(offered) if view.memory == Memory.PEAK else None
         if peak is not None and regions is not None:
-            from optiremat.client.peak.refine import working_set_delta
+            from optiremat.client.peak.measures import working_set_delta
 
             keys = frozenset(k for k, s in zip(graph.node_key, offered, strict=True) if s)
             peak += working_set_delta(graph, regions, offered, keys)

@@ -18,8 +18,8 @@ import numpy as np
 import pytest
 
 import optiremat
+from optiremat.client.peak.measures import LayerMeasure
 from optiremat.client.peak.placement import Placement
-from optiremat.client.peak.refine import LayerMeasure
 from optiremat.client.peak.step_graph import StepExtraction, step_extraction
 from optiremat.client.policy import KeyPolicy
 from optiremat.client.step import Step, lowered_peak

@@ -16,7 +16,9 @@ call goes through it (``planner.plan_peak``):
   under one policy;
 * the solve: ``solver.peak`` prices every phase of the step, ``solver.nesting``
   adds nested groups of layers (``solver.solve``, local or a server's);
-* ``refine``: the plan fitted to the step compiled with it applied, and to
-  JAX's built-ins and the user's names as measured;
+* ``measures``: a plan's peak measured (the whole step compiled with it, or one
+  layer per region);
+* ``refine``: the plan fitted to its measured peak, and to JAX's built-ins and
+  the user's names as measured; the smallest budget it plans;
 * ``planner``: the above in order, answered as a ``client.plan.PeakPlan``.
 """

@@ -16,8 +16,9 @@ import optiremat.client._jax_internals as jx
 from optiremat.client.extract import Traced
 from optiremat.client.peak.block_region import BlockRegion
 from optiremat.client.peak.finding import why_no_regions
+from optiremat.client.peak.measures import step_measure
 from optiremat.client.peak.placement import Placement
-from optiremat.client.peak.refine import refined_solve, step_measure
+from optiremat.client.peak.refine import refined_solve
 from optiremat.client.peak.regions import Region
 from optiremat.client.peak.step_graph import traced_step_extraction
 from optiremat.client.plan import PeakPlan, PlanError, SolveFn

@@ -1,0 +1,121 @@
+"""What a plan's peak is, measured: the measures refinement corrects its price with.
+
+A ``PeakMeasure`` says how far a plan's peak is from the solver's price. With the
+function at hand (``optimize``), ``StepMeasure`` compiles the whole step with the
+plan applied: XLA's peak itself, every phase included. With a step's graph and its
+regions alone (a sweep, a frontier), ``LayerMeasure`` compiles one layer per region
+under the plan's policy and corrects the layers' phases. ``client.peak.refine``
+chases a budget with either.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import jax
+
+from optiremat.client.peak.calibration import working_bytes_in_step
+from optiremat.client.peak.placement import Placement, Region, keeps_barriers
+from optiremat.client.peak.step_graph import StepExtraction
+from optiremat.client.policy import KeyPolicy
+from optiremat.client.step import lowered_peak
+from optiremat.solver.graph import CostGraph
+from optiremat.solver.peak import BudgetView, priced_extra_bytes
+
+
+def working_set_delta(graph: CostGraph, regions: Sequence[Region], saves: Sequence[bool],
+                      keys: frozenset[str], groups: Sequence[int] | None = None) -> int:
+    """What the peak of the plan saving ``saves`` (the policy keys ``keys``) is beyond
+    the solver's price: each region's backward phase with its own working set for the
+    assumed one (the phases outside the regions are what they were), and, where the
+    graph prices XLA's f32 copies of stacked half-float residuals (``value_extra_bytes``,
+    fitted on CPU), the copies its working set measured instead."""
+    assert graph.step is not None
+    priced_extra = priced_extra_bytes(graph, saves, groups)
+    # Each layer program's figure moved by what the step's calibration found its
+    # nothing_saveable figure to be in the step (``calibrate_phases``).
+    own = [working_bytes_in_step(r, memory, keys, priced_extra)
+           for r, memory in zip(regions, graph.step.regions, strict=True)]
+    return (BudgetView.of(graph, None, groups, own).held_bytes
+            - BudgetView.of(graph, None, groups).held_bytes)
+
+
+class PeakMeasure(Protocol):
+    """What a plan's peak is, measured: how far it is from the solver's price, and the
+    working set it reports."""
+
+    def measure(self, saves: Sequence[bool], keys: frozenset[str],
+                groups: Sequence[int] | None) -> tuple[int, int]:
+        """(measured peak - the solver's price, working set) of the plan saving
+        ``saves`` (the policy keys ``keys``) in ``groups``."""
+        ...
+
+
+@dataclass(frozen=True)
+class LayerMeasure:
+    """A plan's regions measured one layer at a time (one compile of one layer per
+    policy): what is at hand with the step's graph and regions alone."""
+
+    graph: CostGraph
+    regions: Sequence[Region]
+
+    def measure(self, saves: Sequence[bool], keys: frozenset[str],
+                groups: Sequence[int] | None) -> tuple[int, int]:
+        delta = working_set_delta(self.graph, self.regions, saves, keys, groups)
+        return delta, _beyond_residuals(self.graph, saves, groups, delta)
+
+
+@dataclass
+class StepMeasure:
+    """A plan's whole training step compiled (``peak_of(keys, groups)``, XLA's peak of
+    the jitted step with the plan applied): exact in every phase, the head's included,
+    and what ``optimize`` refines against. Each plan is compiled once."""
+
+    graph: CostGraph
+    peak_of: Callable[[frozenset[str], tuple[int, ...] | None], int]
+    _peaks: dict[tuple[frozenset[str], tuple[int, ...] | None], int] = field(
+        default_factory=dict)
+
+    def measure(self, saves: Sequence[bool], keys: frozenset[str],
+                groups: Sequence[int] | None) -> tuple[int, int]:
+        assert self.graph.step is not None
+        key = (keys, None if groups is None or all(k == 1 for k in groups) else tuple(groups))
+        if key not in self._peaks:
+            self._peaks[key] = self.peak_of(*key)
+        delta = self._peaks[key] - BudgetView.of(self.graph, None, groups).predicted(list(saves))
+        return delta, _beyond_residuals(self.graph, saves, groups, delta)
+
+
+def _beyond_residuals(graph: CostGraph, saves: Sequence[bool], groups: Sequence[int] | None,
+                      delta: int) -> int:
+    """What the plan's peak (its price + ``delta``) holds beyond the step's arguments and
+    gradients and every residual: its peak phase's working set, nesting's buffers."""
+    assert graph.step is not None
+    view = BudgetView.of(graph, None, groups)
+    peak = view.peak_phase()
+    fixed = peak.fixed_residual_bytes if peak is not None else 0
+    return view.held_bytes - graph.step.held_bytes - fixed + delta
+
+
+def step_measure(fun: Callable, args: Sequence, extracted: StepExtraction,
+                 placement: Placement) -> StepMeasure:
+    """A plan's peak as XLA measures it: ``fun``'s step compiled with the plan applied to
+    the jaxpr ``fun`` was traced to (``extracted.traced``; it is not traced again). The
+    program is the one ``plan.apply(fun)`` lowers to, so verifying a plan compiles nothing."""
+    aliases = extracted.extraction.key_aliases
+
+    def peak_of(keys: frozenset[str], groups: tuple[int, ...] | None) -> int:
+        expanded = frozenset(k for key in keys for k in aliases.get(key, {key}))
+
+        @functools.wraps(fun)  # the module's name is the function's, as plan.apply's
+        def applied(*args):
+            return placement.evaluate(extracted.traced, jax.tree_util.tree_leaves(args),
+                                      KeyPolicy(expanded), groups)
+
+        return lowered_peak(placement.step.function(applied).lower(*args),
+                            keeps_barriers(placement.regions))
+
+    return StepMeasure(extracted.graph, peak_of)
