@@ -315,8 +315,8 @@ class PeakPlan(Plan):
                         "plan is applied with plan.apply(fun)")
 
     def checkpoint(self, fun: Callable | None = None) -> Callable:
-        raise PlanError("a peak plan places its checkpoints inside the function's "
-                        "lax.scan bodies: use plan.apply(fun)")
+        raise PlanError("a peak plan places its checkpoints inside the function (each "
+                        "region's lax.scan body or block): use plan.apply(fun)")
 
     def apply(self, fun: Callable) -> Callable:
         """``fun`` with each region's ``lax.scan`` body checkpointed per iteration by the
