@@ -92,6 +92,7 @@ def serve(settings: Settings) -> None:
     """Run the embedded service in this process until interrupted."""
     import uvicorn
 
+    from optiremat.service.api.connections import guarded_protocol
     from optiremat.service.core.logs import configure_logging
 
     configure_logging(settings.log_level)
@@ -112,6 +113,9 @@ def serve(settings: Settings) -> None:
         port=settings.port,
         log_config=None,
         access_log=False,
+        # h11 with a header deadline and a connection limit (api/connections.py)
+        http=guarded_protocol(settings),
+        timeout_keep_alive=settings.keep_alive_timeout_s,  # type: ignore[arg-type]
         proxy_headers=bool(settings.forwarded_allow_ips.strip()),
         forwarded_allow_ips=settings.forwarded_allow_ips.strip() or None,
         # SIGTERM: uvicorn stops accepting at once and answers what is open within this

@@ -42,6 +42,17 @@ class Settings(BaseSettings):
     # A request body must arrive within this long after its headers, else 408 and the
     # connection is closed (64 MiB at 10 Mbit/s takes about 55 s).
     body_timeout_s: float = Field(default=60.0, gt=0)
+    # A connection's request line and headers must arrive within this long of its
+    # opening (or of the first byte of a later request on it), else it is closed, with a
+    # 408 if part of a request came (nginx's client_header_timeout).
+    header_timeout_s: float = Field(default=10.0, gt=0)
+    # A kept-alive connection with no request in flight is closed after this long.
+    keep_alive_timeout_s: float = Field(default=5.0, gt=0)
+    # Connections open at once. Past it the one that has waited longest for a request is
+    # closed to make room, or, when every one has a request in flight, the new one is
+    # answered 503. The default leaves half of a 1,024 open-file limit to the store, the
+    # workers' pipes and the sockets being closed.
+    max_connections: int = Field(default=512, ge=1)
     max_graph_nodes: int = Field(default=200_000, gt=0)
     max_graph_values: int = Field(default=400_000, gt=0)
     # Request bodies validated at once (each in a thread); more wait their turn.
