@@ -156,3 +156,15 @@ def test_a_malformed_request_line_is_a_problem_not_plain_text(server: Server) ->
         status, headers, body = status_headers_body(read_until_closed(sock))
     assert status == 400 and headers["content-type"] == "application/problem+json"
     assert json.loads(body)["title"] == "Malformed HTTP request"
+
+
+def test_probes_answer_head(server: Server) -> None:
+    for path in ("/healthz", "/readyz"):
+        answer = httpx.head(f"{server.url}{path}", timeout=5)
+        assert answer.status_code == 200 and answer.content == b""
+
+
+def test_readyz_not_ready_at_start_up_is_no_error_line(server: Server) -> None:
+    readyz = [r for r in server.log_records() if r.get("path") == "/readyz"]
+    assert readyz  # the harness waited on it
+    assert all(r["level"] == "info" for r in readyz), readyz
