@@ -136,3 +136,20 @@ def test_a_shard_map_inside_the_step_is_refused_with_its_place_before_any_solve(
         optiremat.optimize(stack_under_shard_map, WS, X, budget="1MiB", memory=memory,
                            solve_fn=counting_solve(calls))
     assert calls == []
+
+
+@pytest.mark.parametrize(("option", "words"), [
+    ({"time_limit_s": "fast"}, ["invalid option time_limit_s:", "(got 'fast')"]),
+    ({"speed": 1}, ["invalid option speed:", "not permitted"]),
+])
+def test_a_bad_solver_option_is_one_line_naming_it_before_any_tracing(
+        option: dict, words: list[str]) -> None:
+    calls: list[int] = []
+    with pytest.raises(ValueError) as raised:
+        plan_for(lambda x: jnp.sum(jnp.tanh(x)), (jnp.ones(8),), 10**6, True,
+                 {"memory": "residuals", **option}, counting_solve(calls))
+    message = str(raised.value)
+    assert "\n" not in message and "pydantic" not in message, message
+    for word in words:
+        assert word in message
+    assert calls == []
