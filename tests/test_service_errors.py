@@ -316,3 +316,22 @@ def test_an_escaped_graph_under_the_caps_solves(server: Server) -> None:
         answer = post_raw(request.encode())(client)
     assert answer.status_code == 200, answer.text
     assert answer.json()["graph_hash"] == chain(6, name="escaped").content_hash
+
+
+def solves_metric(client: httpx.Client, outcome: str) -> float:
+    for line in client.get("/metrics").text.splitlines():
+        if line.startswith(f'optiremat_solves_total{{outcome="{outcome}"}}'):
+            return float(line.rsplit(" ", 1)[1])
+    return 0.0
+
+
+def test_a_request_the_solver_refuses_is_counted_invalid_not_failed(server: Server) -> None:
+    # Offload prices whose objective overflows are refused by the solver in a worker (a
+    # 422); counting them as failed solves showed failures that no job had.
+    request = {"graph": graph_json(name="overflowing prices"), "budget_bytes": 10**6,
+               "options": {"offload": {"host_bandwidth": 7, "device_flop_rate": 10**18}}}
+    with server.client() as client:
+        failed, invalid = solves_metric(client, "failed"), solves_metric(client, "invalid")
+        assert_problem(client.post("/v1/solve", json=request), 422, ["64-bit"])
+        assert solves_metric(client, "failed") == failed
+        assert solves_metric(client, "invalid") == invalid + 1

@@ -26,7 +26,8 @@ class Metrics:
             ["method", "route", "status"], buckets=_LATENCY_BUCKETS, registry=r,
         )
         self.solves = Counter(
-            "optiremat_solves", "Solver runs in worker processes, by outcome",
+            "optiremat_solves", "Solver runs in worker processes, by outcome (invalid: the "
+            "solver refused the request, answered 422)",
             ["outcome"], registry=r,
         )
         self.solve_seconds = Histogram(
