@@ -335,3 +335,33 @@ def test_a_request_the_solver_refuses_is_counted_invalid_not_failed(server: Serv
         assert_problem(client.post("/v1/solve", json=request), 422, ["64-bit"])
         assert solves_metric(client, "failed") == failed
         assert solves_metric(client, "invalid") == invalid + 1
+
+
+AUTH_FAILURES = 3
+
+
+@pytest.fixture(scope="module")
+def throttled_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    yield from running_server(tmp_path_factory, workers="1", api_keys="alpha-key",
+                              auth_failures_per_minute=str(AUTH_FAILURES))
+
+
+def test_wrong_api_keys_from_one_address_are_throttled(throttled_server: Server) -> None:
+    def with_key(client: httpx.Client, key: str) -> httpx.Response:
+        return client.get("/v1/jobs/" + "0" * 64, headers={"Authorization": f"Bearer {key}"})
+
+    with throttled_server.client() as client:
+        assert with_key(client, "alpha-key").status_code == 404  # a right key: no such job
+        for attempt in range(AUTH_FAILURES):
+            assert_problem(with_key(client, f"guess-{attempt}"), 401, ["not valid"])
+        throttled = with_key(client, "guess-next")
+        assert_problem(throttled, 429, ["wrong API key", "OPTIREMAT_AUTH_FAILURES_PER_MINUTE"])
+        assert 1 <= int(throttled.headers["Retry-After"]) <= 60 // AUTH_FAILURES
+        # Past the limit even the right key is turned away, unchecked: a guess that hits
+        # cannot be told from one that misses.
+        assert with_key(client, "alpha-key").status_code == 429
+        assert client.get("/v1/jobs/" + "0" * 64).status_code == 401  # no key: no guess
+        assert client.get("/healthz").status_code == 200
+        rejected = [line for line in client.get("/metrics").text.splitlines()
+                    if line.startswith('optiremat_rejected_requests_total{reason="auth_f')]
+        assert rejected and float(rejected[0].rsplit(" ", 1)[1]) >= 2

@@ -19,7 +19,7 @@ from optiremat.service.api.api_keys import ApiKeys
 from optiremat.service.api.problems import HTTPProblem
 from optiremat.service.core.config import Settings
 from optiremat.service.core.front import Front
-from optiremat.service.core.limits import RateLimiter
+from optiremat.service.core.limits import FailureThrottle, RateLimiter
 from optiremat.solver.graph import CostGraph
 from optiremat.solver.solution import SolveOptions
 from optiremat.solver.wire import GRAPH_TOO_LARGE, RATE_LIMITED
@@ -62,8 +62,21 @@ async def require_api_key(
             "this server requires an API key: send the header 'Authorization: Bearer <key>'",
             headers={"WWW-Authenticate": "Bearer"},
         )
+    throttle: FailureThrottle | None = request.app.state.auth_failures
+    address = request.client.host if request.client else "unknown"
+    if throttle is not None and (wait_s := throttle.blocked_s(address)) > 0:
+        request.app.state.metrics.rejected.labels(reason="auth_failures").inc()
+        retry_after = math.ceil(wait_s)
+        raise HTTPProblem.of(
+            RATE_LIMITED, 429,
+            f"too many requests with a wrong API key from {address} (more than "
+            f"{get_settings(request).auth_failures_per_minute} a minute, "
+            f"OPTIREMAT_AUTH_FAILURES_PER_MINUTE); retry in {retry_after} s",
+            headers={"Retry-After": str(retry_after)})
     request.state.owner = keys.owner(credentials.credentials)
     if request.state.owner is None:
+        if throttle is not None:
+            throttle.record(address)
         raise HTTPProblem(
             401, "Unauthorized", "the API key is not valid for this server",
             headers={"WWW-Authenticate": 'Bearer error="invalid_token"'},

@@ -71,6 +71,10 @@ class Settings(BaseSettings):
     # solver work: POST /v1/solve not answered from the body memo, /v1/jobs, /v1/frontier.
     # A client may send a minute's worth at once. 0 turns the limit off.
     rate_limit_per_minute: int = Field(default=600, ge=0)
+    # Requests with a wrong API key a minute per client address; past it (a burst of this
+    # many at once, then one each 60/N s) every request with a key from that address is
+    # 429 until it may try again, so keys cannot be guessed at speed. 0 turns it off.
+    auth_failures_per_minute: int = Field(default=30, ge=0)
     # Solves waiting for a worker, beyond which a new one is answered 503. Embedded,
     # each holds its graph's JSON in memory: about 160 bytes a node.
     max_queued_jobs: int = Field(default=100, ge=1)
