@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 import jax
+from pydantic import ValidationError
 
 from optiremat.client.budget import resolve_budget, split_auto_keywords
 from optiremat.client.extract import Traced, graph_of_traced, trace
@@ -28,8 +29,9 @@ from optiremat.client.plan import (
 from optiremat.client.step import Step
 from optiremat.solver.graph import CostGraph
 from optiremat.solver.out_of_process import local_solve
-from optiremat.solver.solution import InfeasibleBudgetError
+from optiremat.solver.solution import InfeasibleBudgetError, SolveOptions
 from optiremat.solver.step import Memory
+from optiremat.solver.validation_message import validation_message
 
 
 @dataclass(frozen=True)
@@ -49,10 +51,12 @@ class PlanRequest:
     def of(cls, budget: int | str, tie: bool, keywords: dict[str, Any]) -> PlanRequest:
         options, auto = split_auto_keywords(keywords)
         memory = Memory(options.pop("memory", Memory.PEAK))
+        step = Step.of(options.pop("argnums", 0), options.pop("donate_argnums", ()))
+        refine, scopes = options.pop("refine", True), options.pop("regions", None)
+        _check_options(options)
         return cls(budget=budget, memory=memory,
-                   step=Step.of(options.pop("argnums", 0), options.pop("donate_argnums", ())),
-                   tie=tie, refine=options.pop("refine", True), auto=auto, options=options,
-                   scopes=_scopes(options.pop("regions", None), memory))
+                   step=step, tie=tie, refine=refine, auto=auto, options=options,
+                   scopes=_scopes(scopes, memory))
 
     @property
     def offload(self) -> bool:
@@ -124,6 +128,15 @@ def smallest_budget(fun: Callable, *args, **options) -> int:
     except InfeasibleBudgetError as err:
         return err.min_budget_bytes
     return 1  # a plan that holds nothing: no argument, no residual
+
+
+def _check_options(options: dict[str, Any]) -> None:
+    """Refuse a bad solver option before any tracing, in one line naming it (as the CLI
+    does), not in pydantic's many lines from inside the solve."""
+    try:
+        SolveOptions(**options)
+    except ValidationError as exc:
+        raise ValueError(f"invalid option {validation_message(exc)}") from None
 
 
 def plan_for(fun: Callable, args: tuple, budget: int | str, tie: bool, options: dict[str, Any],

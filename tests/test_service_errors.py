@@ -243,3 +243,125 @@ def test_the_error_log_line_carries_the_request_id(server: Server) -> None:
     while not lines() and time.monotonic() < deadline:
         time.sleep(0.05)
     assert len(lines()) == 1 and lines()[0]["status"] == 400
+
+
+# ---- the early caps read keys as JSON does ----------------------------------
+
+NODE_CAP, VALUE_CAP = 300, 600  # the server fixture's
+
+
+def capped_column_entry(column: str) -> Any:
+    """One entry of a capped column, awkward where it can be: strings with commas and
+    brackets, inner arrays (whose commas are not the column's)."""
+    if column in ("node_primitive", "node_key", "node_source", "value_dtype"):
+        return "f(a, b]"
+    if column == "node_mode":
+        return "free"
+    if column == "value_shape":
+        return [3, 4]
+    return 7
+
+
+def capped_columns() -> list[tuple[str, int]]:
+    """(column, entries one past its cap): every per-node and per-value column."""
+    from optiremat.service.api.deps import _CAP_OF  # the table the server counts by
+    return [(column, (NODE_CAP if what == "nodes" else VALUE_CAP) + extra + 1)
+            for column, (what, _, _, extra) in _CAP_OF.items()]
+
+
+def escaped(key: str) -> str:
+    """``key`` with every character a JSON \\u escape: the same key to any JSON reader."""
+    return "".join(f"\\u{ord(c):04X}" for c in key)
+
+
+@pytest.mark.parametrize("encoding", ["identity", "gzip"])
+@pytest.mark.parametrize(("column", "entries"), capped_columns())
+def test_every_capped_column_is_refused_before_the_parse_however_its_key_is_spelt(
+        server: Server, column: str, entries: int, encoding: str) -> None:
+    items = json.dumps([capped_column_entry(column)] * entries)
+    # Cut short after the array: a parse would answer 400, so a 413 comes from the scan.
+    raw = f'{{"budget_bytes": 1, "graph": {{"{escaped(column)}" :\n {items}'.encode()
+    headers = {"Content-Type": "application/json"}
+    if encoding == "gzip":
+        raw, headers["Content-Encoding"] = gzip.compress(raw), "gzip"
+    with server.client() as client:
+        problem = assert_problem(client.post("/v1/solve", content=raw, headers=headers), 413,
+                                 ["at least", "OPTIREMAT_MAX_GRAPH_"])
+        assert ("nodes" if column.startswith(("node", "input", "output")) else "values") \
+            in problem["detail"]
+
+
+def test_a_body_the_scan_cannot_read_is_capped_after_the_parse_before_validation(
+        server: Server) -> None:
+    # 10,001 arrays after colons inside strings end the scan (it gives up rather than
+    # spend a step on each); the parsed body is then checked before validation, so a
+    # graph that is nothing but 301 node ids is a 413 (counted exactly), not a 422.
+    data = {"pad": [":["] * 10_001, "budget_bytes": 1, "gr\\u0061ph": None}
+    raw = json.dumps(data).replace('"gr\\\\u0061ph": null',
+                                   f'"gr\\u0061ph": {{"{escaped("node_id")}": '
+                                   f'{json.dumps(list(range(NODE_CAP + 1)))}}}').encode()
+    with server.client() as client:
+        problem = assert_problem(post_raw(raw)(client), 413, ["301 nodes"])
+        assert "at least" not in problem["detail"]
+        # and one under the caps is validated as usual
+        assert_problem(post_raw(raw.replace(b", 300]", b"]"))(client), 422,
+                      ["graph.value_id: Field required"])
+
+
+def test_an_escaped_graph_under_the_caps_solves(server: Server) -> None:
+    request = json.dumps(body(chain(6, name="escaped"), 10**9))
+    for key in ("graph", "node_id", "value_id", "input_ptr"):
+        request = request.replace(f'"{key}"', f'"{escaped(key)}"')
+    with server.client() as client:
+        answer = post_raw(request.encode())(client)
+    assert answer.status_code == 200, answer.text
+    assert answer.json()["graph_hash"] == chain(6, name="escaped").content_hash
+
+
+def solves_metric(client: httpx.Client, outcome: str) -> float:
+    for line in client.get("/metrics").text.splitlines():
+        if line.startswith(f'optiremat_solves_total{{outcome="{outcome}"}}'):
+            return float(line.rsplit(" ", 1)[1])
+    return 0.0
+
+
+def test_a_request_the_solver_refuses_is_counted_invalid_not_failed(server: Server) -> None:
+    # Offload prices whose objective overflows are refused by the solver in a worker (a
+    # 422); counting them as failed solves showed failures that no job had.
+    request = {"graph": graph_json(name="overflowing prices"), "budget_bytes": 10**6,
+               "options": {"offload": {"host_bandwidth": 7, "device_flop_rate": 10**18}}}
+    with server.client() as client:
+        failed, invalid = solves_metric(client, "failed"), solves_metric(client, "invalid")
+        assert_problem(client.post("/v1/solve", json=request), 422, ["64-bit"])
+        assert solves_metric(client, "failed") == failed
+        assert solves_metric(client, "invalid") == invalid + 1
+
+
+AUTH_FAILURES = 3
+
+
+@pytest.fixture(scope="module")
+def throttled_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    yield from running_server(tmp_path_factory, workers="1", api_keys="alpha-key",
+                              auth_failures_per_minute=str(AUTH_FAILURES))
+
+
+def test_wrong_api_keys_from_one_address_are_throttled(throttled_server: Server) -> None:
+    def with_key(client: httpx.Client, key: str) -> httpx.Response:
+        return client.get("/v1/jobs/" + "0" * 64, headers={"Authorization": f"Bearer {key}"})
+
+    with throttled_server.client() as client:
+        assert with_key(client, "alpha-key").status_code == 404  # a right key: no such job
+        for attempt in range(AUTH_FAILURES):
+            assert_problem(with_key(client, f"guess-{attempt}"), 401, ["not valid"])
+        throttled = with_key(client, "guess-next")
+        assert_problem(throttled, 429, ["wrong API key", "OPTIREMAT_AUTH_FAILURES_PER_MINUTE"])
+        assert 1 <= int(throttled.headers["Retry-After"]) <= 60 // AUTH_FAILURES
+        # Past the limit even the right key is turned away, unchecked: a guess that hits
+        # cannot be told from one that misses.
+        assert with_key(client, "alpha-key").status_code == 429
+        assert client.get("/v1/jobs/" + "0" * 64).status_code == 401  # no key: no guess
+        assert client.get("/healthz").status_code == 200
+        rejected = [line for line in client.get("/metrics").text.splitlines()
+                    if line.startswith('optiremat_rejected_requests_total{reason="auth_f')]
+        assert rejected and float(rejected[0].rsplit(" ", 1)[1]) >= 2

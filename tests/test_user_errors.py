@@ -130,9 +130,24 @@ def test_a_shard_map_inside_the_step_is_refused_with_its_place_before_any_solve(
         memory: str) -> None:
     """Its body is not walked yet: planned as one elementwise equation, the layers inside
     it were missing from the graph and the plan was empty, said to be optimal."""
-    calls: list[int] = []
+    # optimize takes no solve_fn: the error is raised at extraction, before any solve.
     with pytest.raises(optiremat.ExtractionError,
                        match=r"shard_map at .*test_user_errors\.py.* per-shard function"):
-        optiremat.optimize(stack_under_shard_map, WS, X, budget="1MiB", memory=memory,
-                           solve_fn=counting_solve(calls))
+        optiremat.optimize(stack_under_shard_map, WS, X, budget="1MiB", memory=memory)
+
+
+@pytest.mark.parametrize(("option", "words"), [
+    ({"time_limit_s": "fast"}, ["invalid option time_limit_s:", "(got 'fast')"]),
+    ({"speed": 1}, ["invalid option speed:", "not permitted"]),
+])
+def test_a_bad_solver_option_is_one_line_naming_it_before_any_tracing(
+        option: dict, words: list[str]) -> None:
+    calls: list[int] = []
+    with pytest.raises(ValueError) as raised:
+        plan_for(lambda x: jnp.sum(jnp.tanh(x)), (jnp.ones(8),), 10**6, True,
+                 {"memory": "residuals", **option}, counting_solve(calls))
+    message = str(raised.value)
+    assert "\n" not in message and "pydantic" not in message, message
+    for word in words:
+        assert word in message
     assert calls == []

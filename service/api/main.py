@@ -19,7 +19,7 @@ from optiremat.service.api.problems import install_problem_handlers
 from optiremat.service.api.routes import frontier, health, jobs, solve
 from optiremat.service.core.config import Settings, redact_url
 from optiremat.service.core.front import Front
-from optiremat.service.core.limits import MemoryRateLimiter, RateLimiter
+from optiremat.service.core.limits import FailureThrottle, MemoryRateLimiter, RateLimiter
 from optiremat.service.core.metrics import Metrics
 from optiremat.service.core.runs import Executor
 from optiremat.service.core.tasks import solver_version
@@ -55,6 +55,8 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.state.settings = settings
     app.state.metrics = metrics
     app.state.api_keys = ApiKeys(settings)
+    app.state.auth_failures = (FailureThrottle(settings.auth_failures_per_minute)
+                               if settings.auth_failures_per_minute else None)
     app.state.parse_slots = asyncio.Semaphore(settings.max_concurrent_parses)
     install_problem_handlers(app)
     # Added last runs first: the request id exists before the body is read.
@@ -92,6 +94,7 @@ def serve(settings: Settings) -> None:
     """Run the embedded service in this process until interrupted."""
     import uvicorn
 
+    from optiremat.service.api.connections import guarded_protocol
     from optiremat.service.core.logs import configure_logging
 
     configure_logging(settings.log_level)
@@ -112,6 +115,9 @@ def serve(settings: Settings) -> None:
         port=settings.port,
         log_config=None,
         access_log=False,
+        # h11 with a header deadline and a connection limit (api/connections.py)
+        http=guarded_protocol(settings),
+        timeout_keep_alive=settings.keep_alive_timeout_s,  # type: ignore[arg-type]
         proxy_headers=bool(settings.forwarded_allow_ips.strip()),
         forwarded_allow_ips=settings.forwarded_allow_ips.strip() or None,
         # SIGTERM: uvicorn stops accepting at once and answers what is open within this

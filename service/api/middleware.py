@@ -96,8 +96,11 @@ class RequestContextMiddleware:
             client = scope.get("client")
             extra = {"detail": _detail(failure)} if status >= 500 else {}
             # A 5xx is the server's fault: an error line an operator's alert can match.
+            # But /readyz's 503 is its answer (starting, stopping, the store away), which
+            # the orchestrator acts on; start-up alone logged a few errors.
+            fault = status >= 500 and template != "/readyz"
             access_log.log(
-                logging.ERROR if status >= 500 else logging.INFO,
+                logging.ERROR if fault else logging.INFO,
                 "%s %s %d", scope["method"], scope["path"], status,
                 extra={
                     **extra,

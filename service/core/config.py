@@ -42,6 +42,17 @@ class Settings(BaseSettings):
     # A request body must arrive within this long after its headers, else 408 and the
     # connection is closed (64 MiB at 10 Mbit/s takes about 55 s).
     body_timeout_s: float = Field(default=60.0, gt=0)
+    # A connection's request line and headers must arrive within this long of its
+    # opening (or of the first byte of a later request on it), else it is closed, with a
+    # 408 if part of a request came (nginx's client_header_timeout).
+    header_timeout_s: float = Field(default=10.0, gt=0)
+    # A kept-alive connection with no request in flight is closed after this long.
+    keep_alive_timeout_s: float = Field(default=5.0, gt=0)
+    # Connections open at once. Past it the one that has waited longest for a request is
+    # closed to make room, or, when every one has a request in flight, the new one is
+    # answered 503. The default leaves half of a 1,024 open-file limit to the store, the
+    # workers' pipes and the sockets being closed.
+    max_connections: int = Field(default=512, ge=1)
     max_graph_nodes: int = Field(default=200_000, gt=0)
     max_graph_values: int = Field(default=400_000, gt=0)
     # Request bodies validated at once (each in a thread); more wait their turn.
@@ -60,6 +71,10 @@ class Settings(BaseSettings):
     # solver work: POST /v1/solve not answered from the body memo, /v1/jobs, /v1/frontier.
     # A client may send a minute's worth at once. 0 turns the limit off.
     rate_limit_per_minute: int = Field(default=600, ge=0)
+    # Requests with a wrong API key a minute per client address; past it (a burst of this
+    # many at once, then one each 60/N s) every request with a key from that address is
+    # 429 until it may try again, so keys cannot be guessed at speed. 0 turns it off.
+    auth_failures_per_minute: int = Field(default=30, ge=0)
     # Solves waiting for a worker, beyond which a new one is answered 503. Embedded,
     # each holds its graph's JSON in memory: about 160 bytes a node.
     max_queued_jobs: int = Field(default=100, ge=1)

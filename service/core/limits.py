@@ -62,3 +62,27 @@ class MemoryRateLimiter:
             self._tats = {c: tat for c, tat in self._tats.items() if tat > now}
         self._tats[client], wait = self._gcra.step(self._tats.get(client), now)
         return wait
+
+
+class FailureThrottle:
+    """Failures a client may have a minute (an address's wrong API keys): a GCRA whose
+    requests are the failures. It is looked at before each attempt, so a client past it
+    is turned away without learning whether its next key was right. In this process
+    only: in cluster mode each replica counts its own."""
+
+    def __init__(self, per_minute: int, clock: Callable[[], float] = time.monotonic) -> None:
+        self._gcra = Gcra(per_minute)
+        self._clock = clock
+        self._tats: dict[str, float] = {}
+
+    def blocked_s(self, client: str) -> float:
+        """Seconds until ``client`` may try again; 0 when it may now."""
+        tat = self._tats.get(client)
+        return 0.0 if tat is None else max(0.0, tat - self._clock() - self._gcra.tolerance_s)
+
+    def record(self, client: str) -> None:
+        """Count a failure of ``client``."""
+        now = self._clock()
+        if len(self._tats) > _FORGET_AFTER:
+            self._tats = {c: tat for c, tat in self._tats.items() if tat > now}
+        self._tats[client], _ = self._gcra.step(self._tats.get(client), now)

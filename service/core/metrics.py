@@ -26,7 +26,8 @@ class Metrics:
             ["method", "route", "status"], buckets=_LATENCY_BUCKETS, registry=r,
         )
         self.solves = Counter(
-            "optiremat_solves", "Solver runs in worker processes, by outcome",
+            "optiremat_solves", "Solver runs in worker processes, by outcome (invalid: the "
+            "solver refused the request, answered 422)",
             ["outcome"], registry=r,
         )
         self.solve_seconds = Histogram(
@@ -48,8 +49,9 @@ class Metrics:
         )
         self.rejected = Counter(
             "optiremat_rejected_requests",
-            "Requests turned away: over a client's rate limit (rate_limit), or with the queue "
-            "at OPTIREMAT_MAX_QUEUED_JOBS (queue_full)", ["reason"], registry=r,
+            "Requests turned away: over a client's rate limit (rate_limit), with the queue "
+            "at OPTIREMAT_MAX_QUEUED_JOBS (queue_full), or from an address past its wrong API "
+            "keys (auth_failures)", ["reason"], registry=r,
         )
         self.store_bytes = Gauge(
             "optiremat_store_bytes",

@@ -198,6 +198,8 @@ class WorkerPool:
             outcome = "solved"
         elif isinstance(result, Infeasible):
             outcome = "infeasible"
+        elif isinstance(result, Failed) and result.invalid:
+            outcome = "invalid"  # the request's fault, answered 422: no failure of a solve
         else:
             outcome = "failed"
         self._metrics.solves.labels(outcome=outcome).inc()

@@ -8,7 +8,6 @@ from optiremat.service.api.deps import (
     FrontDep,
     SettingsDep,
     cap_time_limit,
-    check_graph_size,
     limit_rate,
     parse_body,
     request_body,
@@ -35,7 +34,6 @@ async def frontier(request: Request, settings: SettingsDep, front: FrontDep) -> 
     the largest useful one. Infeasible budgets come back as points with status
     ``infeasible``; ``pareto`` marks the points no other point beats."""
     body = await parse_body(request, FrontierRequest, await request.body())
-    check_graph_size(body.graph, settings)
     options = cap_time_limit(body.options, settings.sync_time_limit_s)
     result = await front.frontier(body.graph, body.budgets, body.count, options)
     if not isinstance(result, Frontier):

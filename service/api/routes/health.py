@@ -14,11 +14,15 @@ from optiremat.service.core.models import Readiness
 router = APIRouter(tags=["health"])
 
 
+# HEAD too, as load balancers and uptime checkers often probe (left out of the schema,
+# where it would repeat GET's operation).
+@router.head("/healthz", include_in_schema=False)
 @router.get("/healthz", response_model=Health, summary="The process is up")
 async def healthz() -> Health:
     return Health()
 
 
+@router.head("/readyz", include_in_schema=False)
 @router.get(
     "/readyz",
     response_model=Readiness,

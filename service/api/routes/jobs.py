@@ -11,7 +11,6 @@ from optiremat.service.api.deps import (
     FrontDep,
     SettingsDep,
     cap_time_limit,
-    check_graph_size,
     limit_rate,
     parse_body,
     request_body,
@@ -51,7 +50,6 @@ async def submit_job(request: Request, response: Response, settings: SettingsDep
     """Queue the solve; ``Location`` names the job. Submitting the same request again
     returns the same job (a failed or cancelled one is started again)."""
     body = await parse_body(request, SolveRequest, await request.body())
-    check_graph_size(body.graph, settings)
     options = cap_time_limit(body.options, settings.job_time_limit_s)
     job = await front.submit_job(body.graph, body.budget_bytes, options,
                                  owner=request.state.owner)

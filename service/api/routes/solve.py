@@ -11,7 +11,6 @@ from optiremat.service.api.deps import (
     FrontDep,
     SettingsDep,
     cap_time_limit,
-    check_graph_size,
     limit_rate,
     parse_body,
     request_body,
@@ -47,7 +46,6 @@ async def solve(request: Request, settings: SettingsDep, front: FrontDep) -> Res
     if outcome is None:
         await limit_rate(request)  # answers from the store above are not counted
         body = await parse_body(request, SolveRequest, raw)
-        check_graph_size(body.graph, settings)
         options = cap_time_limit(body.options, settings.sync_time_limit_s)
         outcome = await front.solve(body.graph, body.budget_bytes, options,
                                     body_digest=body_digest)
