@@ -220,8 +220,7 @@ class _Refinement:
             if self.best is not None and self.candidates_measured >= MAX_CANDIDATES_MEASURED:
                 return
             self.candidates_measured += 1
-            keys = frozenset(k for k, s in zip(self.graph.node_key, offered, strict=True) if s)
-            shift = self.measure.measure(offered, keys, None)[0]
+            keys, shift = self._candidate_shift(offered)
             if predicted + shift > self.budget:
                 continue
             # The solver's plan there may hold a little more than the built-in does:
@@ -236,33 +235,38 @@ class _Refinement:
         assert answer.peak_bytes is not None
         return None if self._fits(answer) else shift + answer.peak_bytes - self.budget
 
-    def _smallest(self) -> Solution | None:
-        """Every plan outgrew its shift: the smallest plan (``nothing_saveable`` in every
-        layer, whose working set is the calibrated one) fits wherever one does (None:
-        it does not)."""
+    def _candidate_shift(self, offered: Sequence[bool]) -> tuple[frozenset[str], int]:
+        """The policy keys of the candidate saving ``offered``, and how far its measured
+        peak is from its price."""
+        keys = frozenset(k for k, s in zip(self.graph.node_key, offered, strict=True) if s)
+        return keys, self.measure.measure(offered, keys, None)[0]
+
+    def _smallest_plan(self) -> Solution:
+        """The solver's smallest plan (``nothing_saveable`` in every layer, whose working
+        set is the calibrated one), measured."""
         try:
             smallest = self.solve_at(0)
         except InfeasibleBudgetError as err:
             smallest = self.solve_at(err.min_budget_bytes)
-        smallest = self._measured(smallest)
+        return self._measured(smallest)
+
+    def _smallest(self) -> Solution | None:
+        """Every plan outgrew its shift: the smallest plan fits wherever one does (None:
+        it does not)."""
+        smallest = self._smallest_plan()
         return smallest if self._fits(smallest) else None
 
     def smallest_measured(self) -> int:
         """The least measured peak of the solver's smallest plan and of every candidate
         (those whose floor is over the least so far cannot be under it)."""
-        try:
-            smallest = self.solve_at(0)
-        except InfeasibleBudgetError as err:
-            smallest = self.solve_at(err.min_budget_bytes)
-        least = self._measured(smallest).peak_bytes
+        least = self._smallest_plan().peak_bytes
         assert least is not None
         view = BudgetView.of(self.graph, None)
         for offered in self._candidates():  # the leanest as priced first
             predicted = view.predicted(offered)
             if self.floor_holds and predicted - self.unmeasured_share >= least:
                 continue
-            keys = frozenset(k for k, s in zip(self.graph.node_key, offered, strict=True) if s)
-            least = min(least, predicted + self.measure.measure(offered, keys, None)[0])
+            least = min(least, predicted + self._candidate_shift(offered)[1])
         return least
 
     def _priced(self, offered: Sequence[bool], keys: frozenset[str], budget: int) -> Solution:
