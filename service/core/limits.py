@@ -57,6 +57,10 @@ class MemoryRateLimiter:
         self._tats: dict[str, float] = {}
 
     async def wait_s(self, client: str) -> float:
+        return self.count(client)
+
+    def count(self, client: str) -> float:
+        """``wait_s``, without the event loop."""
         now = self._clock()
         if len(self._tats) > _FORGET_AFTER:  # a fresh TAT is as good as a stale one
             self._tats = {c: tat for c, tat in self._tats.items() if tat > now}
@@ -64,16 +68,11 @@ class MemoryRateLimiter:
         return wait
 
 
-class FailureThrottle:
+class FailureThrottle(MemoryRateLimiter):
     """Failures a client may have a minute (an address's wrong API keys): a GCRA whose
     requests are the failures. It is looked at before each attempt, so a client past it
     is turned away without learning whether its next key was right. In this process
     only: in cluster mode each replica counts its own."""
-
-    def __init__(self, per_minute: int, clock: Callable[[], float] = time.monotonic) -> None:
-        self._gcra = Gcra(per_minute)
-        self._clock = clock
-        self._tats: dict[str, float] = {}
 
     def blocked_s(self, client: str) -> float:
         """Seconds until ``client`` may try again; 0 when it may now."""
@@ -82,7 +81,4 @@ class FailureThrottle:
 
     def record(self, client: str) -> None:
         """Count a failure of ``client``."""
-        now = self._clock()
-        if len(self._tats) > _FORGET_AFTER:
-            self._tats = {c: tat for c, tat in self._tats.items() if tat > now}
-        self._tats[client], _ = self._gcra.step(self._tats.get(client), now)
+        self.count(client)
