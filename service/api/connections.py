@@ -182,15 +182,9 @@ class GuardedH11Protocol(H11Protocol):
 
     def send_400_response(self, msg: str) -> None:
         """uvicorn's 400 for a request h11 cannot parse, as problem+json."""
-        body = json.dumps(problem_body(
-            400, "Malformed HTTP request",
-            f"the request line or headers are not valid HTTP/1.1: {msg}",
-            type=INVALID_REQUEST.uri)).encode()
-        headers = [(b"content-type", PROBLEM_MEDIA_TYPE.encode()),
-                   (b"content-length", str(len(body)).encode()), (b"connection", b"close")]
-        for event in (h11.Response(status_code=400, headers=headers, reason=b"Bad Request"),
-                      h11.Data(data=body), h11.EndOfMessage()):
-            self.transport.write(self.conn.send(event) or b"")
+        self.transport.write(_raw_response(
+            400, "Bad Request", "Malformed HTTP request",
+            f"the request line or headers are not valid HTTP/1.1: {msg}"))
         self.transport.close()
 
 
