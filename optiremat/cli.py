@@ -72,7 +72,7 @@ def _worker(args: argparse.Namespace) -> int:
         return 2
     from optiremat.service.core.rq_worker import work
 
-    return work(settings, burst=args.burst)
+    return work(settings, burst=args.burst, sync_only=args.sync_only)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -101,6 +101,9 @@ def build_parser() -> argparse.ArgumentParser:
                     "current solve finish.",
     )
     worker.add_argument("--burst", action="store_true", help="exit once the queue is empty")
+    worker.add_argument("--sync-only", action="store_true",
+                        help="take only solves a client waits on (POST /v1/solve, frontiers), "
+                             "never jobs: run a few such workers so that jobs never starve them")
     worker.set_defaults(run=_worker)
     add_commands(parser, commands)
     return parser

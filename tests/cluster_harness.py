@@ -84,11 +84,13 @@ class WorkerProcess:
     log_path: Path
     env: dict[str, str]
     process: subprocess.Popen[bytes] | None = None
+    sync_only: bool = False
 
     def launch(self) -> WorkerProcess:
         with self.log_path.open("ab") as log:
             self.process = subprocess.Popen(
-                [sys.executable, "-m", "optiremat", "worker"],
+                [sys.executable, "-m", "optiremat", "worker",
+                 *(["--sync-only"] if self.sync_only else [])],
                 cwd=REPO, env=self.env, stdout=log, stderr=subprocess.STDOUT,
             )
         return self
@@ -143,10 +145,11 @@ class Cluster:
         env.update({f"OPTIREMAT_{k.upper()}": v for k, v in self.settings.items()})
         return env
 
-    def add_worker(self) -> WorkerProcess:
+    def add_worker(self, *, sync_only: bool = False) -> WorkerProcess:
         """Start one more worker (with a log of its own)."""
         index = len(list(self.root.glob("worker*.log")))
-        worker = WorkerProcess(self.root / f"worker{index}.log", self.worker_env()).launch()
+        worker = WorkerProcess(self.root / f"worker{index}.log", self.worker_env(),
+                               sync_only=sync_only).launch()
         self.workers.append(worker)
         return worker
 
@@ -169,15 +172,15 @@ class Cluster:
         self.redis.stop()
 
 
-def running_cluster(root: Path, apis: int = 2, workers: int = 2,
+def running_cluster(root: Path, apis: int = 2, workers: int = 2, sync_workers: int = 0,
                     **settings: str) -> Iterator[Cluster]:
     """Body of a fixture: a started cluster, stopped afterwards."""
     redis = RedisServer(root / "redis").start()
     cluster = Cluster(root, {"redis_url": redis.url, "worker_heartbeat_s": "1",
                              "job_retries": "1", "log_level": "INFO", **settings}, redis)
     try:
-        for _ in range(workers):
-            cluster.add_worker()
+        for index in range(workers + sync_workers):
+            cluster.add_worker(sync_only=index >= workers)
         cluster.apis = [Server(root / f"api{i}", dict(cluster.settings)) for i in range(apis)]
         with ThreadPoolExecutor(len(cluster.apis)) as pool:  # start replicas side by side
             list(pool.map(lambda server: server.start(), cluster.apis))

@@ -211,7 +211,7 @@ def test_the_event_loop_answers_while_a_large_graph_is_checked(server: Server) -
 def test_health_readiness_and_metrics(client: httpx.Client) -> None:
     assert client.get("/healthz").json() == {"status": "ok"}
     ready = client.get("/readyz")
-    assert ready.status_code == 200 and ready.json()["workers"] == 2
+    assert ready.status_code == 200 and ready.json()["workers"] == 3  # 2 and the sync lane's
     text = client.get("/metrics").text
     for name in ("optiremat_http_request_duration_seconds", "optiremat_solves_total",
                  "optiremat_solve_seconds", "optiremat_cache_hits_total",

@@ -16,6 +16,7 @@ import pytest
 
 from optiremat.service.core import tasks
 from optiremat.service.core.errors import Unavailable
+from optiremat.service.core.fair_queue import FairQueue
 from optiremat.service.core.limits import MemoryRateLimiter
 from optiremat.service.core.metrics import Metrics
 from optiremat.service.core.outcome import (
@@ -33,8 +34,9 @@ from optiremat.service.core.outcome import (
 )
 from optiremat.service.core.redis_store import RedisRateLimiter, RedisStore
 from optiremat.service.core.rq_executor import RQExecutor
+from optiremat.service.core.runs import Withdrawal
 from optiremat.service.core.store import SqliteStore
-from optiremat.service.core.tasks import BudgetRangeTask, SolveTask
+from optiremat.service.core.tasks import BudgetRangeTask, Lane, SolveTask
 from optiremat.solver.solution import SolveOptions
 from optiremat.solver.step import Memory
 from optiremat.solver.wire import JobStatus, Problem
@@ -233,7 +235,7 @@ def test_past_maxmemory_redis_evicts_answers_but_no_unfinished_run(
         usage = store.usage()
         assert usage.evicted_keys > 0 and usage.used_bytes <= usage.max_bytes
         assert store.get_run(queued.key) is not None and store.get_graph("big") is not None
-        assert store.queue.count == 1
+        assert store.queued() == 1
     finally:
         store.redis.config_set("maxmemory", 0)
 
@@ -252,8 +254,9 @@ def test_redis_lists_a_keys_jobs_newest_first_a_page_at_a_time(
         runs.append(store.ensure_run(task, job=True)[0])
         time.sleep(0.002)  # distinct created_at
     for run in runs[:4]:
-        store.add_owner(run.as_job(), "alpha")
-    store.add_owner(runs[0].as_job(), "beta")
+        store.submit(run.key, "alpha")
+        time.sleep(0.002)  # distinct submission times
+    store.submit(runs[0].key, "beta")
     store.finish(runs[1], Failed(message="no"))
     store.ensure_run(SolveTask(graph_hash="g", budget_bytes=99, options=SolveOptions()),
                      job=False)  # not a job: never listed
@@ -268,8 +271,22 @@ def test_redis_lists_a_keys_jobs_newest_first_a_page_at_a_time(
     assert keys("beta") == [runs[0].key]
     assert keys("alpha", status=JobStatus.FAILED) == [runs[1].key]
     assert keys(None, status=JobStatus.QUEUED) == [k for k in newest_first if k != runs[1].key]
-    assert store.owns("alpha", runs[1].key) and store.owns("beta", runs[0].key)
-    assert not store.owns("beta", runs[1].key) and not store.owns("alpha", runs[4].key)
+    assert store.get_job(runs[1].key, "alpha") and store.get_job(runs[0].key, "beta")
+    assert not store.get_job(runs[1].key, "beta") and not store.get_job(runs[4].key, "alpha")
+    # a key's submission is its own: beta's is later than alpha's, and withdrawn alone
+    beta_job, alpha_job = store.get_job(runs[0].key, "beta"), store.get_job(runs[0].key, "alpha")
+    assert beta_job and alpha_job and beta_job.created_at > alpha_job.created_at
+    assert store.withdraw(runs[0].key, "beta")  # alpha's still wants it
+    assert keys("beta", status=JobStatus.CANCELLED) == [runs[0].key]
+    assert runs[0].key in keys("alpha", status=JobStatus.QUEUED)
+    assert not store.interest.unwanted(runs[0].key, store.run_key(runs[0].key))
+    assert not store.withdraw(runs[0].key, "alpha") and not store.wanted(runs[0].key)
+    assert store.interest.unwanted(runs[0].key, store.run_key(runs[0].key))
+    store.interest.wait(runs[0].key, "a waiter elsewhere")  # a client on another replica
+    assert not store.interest.unwanted(runs[0].key, store.run_key(runs[0].key))
+    store.interest.stop_waiting(runs[0].key, "a waiter elsewhere")
+    store.submit(runs[0].key, "beta")  # submitted again: wanted again
+    assert store.wanted(runs[0].key) and runs[0].key in keys("beta", status=JobStatus.QUEUED)
 
     first, after = store.list_jobs("alpha", None, None, 3)
     assert after is not None and [job.key for job in first] == newest_first[1:4]
@@ -329,3 +346,82 @@ def test_past_its_bound_the_queue_refuses_new_runs_but_not_joins(
         assert store.get_job(tasks[2].key) is None  # the refused one left nothing behind
 
     asyncio.run(scenario())
+
+
+# ---- submissions and the waiting line --------------------------------------------------
+
+
+def _job_in(store: SqliteStore | RedisStore, budget: int) -> str:
+    task = SolveTask(graph_hash="g", budget_bytes=budget, options=SolveOptions())
+    if isinstance(store, SqliteStore):
+        store.put_job(task.key, task, "{}")
+    else:
+        store.ensure_run(task, job=True)
+    return task.key
+
+
+@pytest.mark.parametrize("kind", ["sqlite", "redis"])
+def test_each_owner_withdraws_its_own_submission(kind: str, tmp_path: Path,
+                                                 redis_server: RedisServer) -> None:
+    store: SqliteStore | RedisStore
+    if kind == "sqlite":
+        store = SqliteStore(tmp_path / "store.sqlite3")
+    else:
+        store = RedisStore(redis_server.client(), ttl_s=3600)
+        store.redis.flushall()
+    key = _job_in(store, 7)
+    store.submit(key, "alpha")
+    time.sleep(0.002)
+    store.submit(key, "beta")
+    alpha, beta = store.get_job(key, "alpha"), store.get_job(key, "beta")
+    assert alpha and beta and beta.created_at > alpha.created_at
+    assert store.get_job(key, "gamma") is None  # not submitted: as absent as no job
+    assert store.withdraw(key, "beta")  # alpha still wants it
+    beta = store.get_job(key, "beta")
+    assert beta and beta.withdrawn == Withdrawal.LEFT and beta.status == JobStatus.CANCELLED
+    assert store.get_job(key, "alpha").status == JobStatus.QUEUED  # type: ignore[union-attr]
+    assert not store.withdraw(key, "alpha") and not store.wanted(key)
+    store.stopped_for(key, "alpha")  # the run stops for alpha: alpha sees how it ends
+    assert store.get_job(key, "alpha").withdrawn == Withdrawal.STOPPED  # type: ignore[union-attr]
+    assert store.get_job(key, "beta").withdrawn == Withdrawal.LEFT  # type: ignore[union-attr]
+    store.submit(key, "beta")  # submitted afresh
+    assert store.wanted(key) and store.get_job(key, "beta").withdrawn == Withdrawal.NONE  # type: ignore[union-attr]
+
+
+def test_a_store_of_schema_2_keeps_its_jobs_each_submitted_once(tmp_path: Path) -> None:
+    path = tmp_path / "store.sqlite3"
+    store = SqliteStore(path)
+    owned, anonymous = _job_in(store, 1), _job_in(store, 2)
+    store.submit(owned, "alpha")
+    store.close()
+    with sqlite3.connect(path) as db:  # back to schema 2: no withdrawals, anonymous jobs unowned
+        db.execute("DELETE FROM job_owners WHERE owner = ''")
+        db.execute("ALTER TABLE job_owners DROP COLUMN cancelled")
+        db.execute("PRAGMA user_version=2")
+    store = SqliteStore(path)
+    assert store.get_job(owned, "alpha") is not None and store.get_job(anonymous) is not None
+    assert store.wanted(owned) and store.wanted(anonymous)  # ANONYMOUS's, from the upgrade
+    assert not store.withdraw(anonymous, None) and not store.wanted(anonymous)
+
+
+def test_the_waiting_line_serves_sync_first_and_owners_in_turn() -> None:
+    async def scenario() -> tuple[list[str], list[str], str | None]:
+        line: FairQueue[str] = FairQueue()
+        for owner, count in (("flood", 4), ("one", 1), ("two", 2)):
+            for i in range(count):
+                line.put(f"{owner}{i}", Lane.BACKGROUND, owner)
+        line.put("sync0", Lane.SYNC, "flood")
+        both = (Lane.SYNC, Lane.BACKGROUND)
+        assert line.take((Lane.SYNC,)) == "sync0"
+        sync_only_waits = asyncio.ensure_future(line.get((Lane.SYNC,)))
+        taken = [await line.get(both) for _ in range(7)]
+        await asyncio.sleep(0)
+        assert not sync_only_waits.done()  # it never takes a job
+        line.put("sync1", Lane.SYNC, "one")
+        line.put("late", Lane.BACKGROUND, "one")
+        sync_taken = [await sync_only_waits]
+        return taken, sync_taken, line.take(both)
+
+    taken, sync_taken, last = asyncio.run(scenario())
+    assert taken == ["flood0", "one0", "two0", "flood1", "two1", "flood2", "flood3"]
+    assert sync_taken == ["sync1"] and last == "late"

@@ -58,7 +58,7 @@ def searched_to_its_time_limit(time_limit_s: float) -> dict[str, Any]:
 
 def test_sigterm_answers_the_open_solve_and_leaves_queued_jobs_for_the_restart(
         tmp_path: Path) -> None:
-    settings = {"workers": "1", "shutdown_grace_s": "20"}
+    settings = {"workers": "1", "sync_workers": "0", "shutdown_grace_s": "20"}
     server = Server(tmp_path / "data", settings).start()
     with ThreadPoolExecutor(1) as pool, server.client() as client:
         answer = pool.submit(client.post, "/v1/solve", json=searched_to_its_time_limit(3))

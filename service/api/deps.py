@@ -92,15 +92,21 @@ async def require_metrics_key(
         await require_api_key(request, credentials)
 
 
+def client_of(request: Request) -> str:
+    """Who sent the request, for its rate limit and its turn at the workers: its API
+    key (by key id), or its address with keys off."""
+    owner = request.state.owner
+    address = request.client.host if request.client else "unknown"
+    return f"key {owner}" if owner else f"address {address}"
+
+
 async def limit_rate(request: Request) -> None:
     """Count a request that may start solver work against its client's rate limit: its
     API key (by key id), or its address with keys off."""
     limiter: RateLimiter | None = request.app.state.rate_limiter
     if limiter is None:
         return
-    owner = request.state.owner
-    address = request.client.host if request.client else "unknown"
-    client = f"key {owner}" if owner else f"address {address}"
+    client = client_of(request)
     wait_s = await limiter.wait_s(client)
     if wait_s > 0:
         request.app.state.metrics.rejected.labels(reason="rate_limit").inc()

@@ -66,6 +66,10 @@ class Settings(BaseSettings):
     # limit plus 5 s for loading the graph and checking the plan.
     shutdown_grace_s: float = Field(default=35.0, ge=0)
     workers: int = Field(default_factory=_default_workers, ge=1)
+    # Embedded: worker processes beside ``workers`` that take only solves a client waits
+    # on (POST /v1/solve, frontiers), so that one is never stuck behind hours of another
+    # client's jobs. 0 leaves sync solves only their place ahead of jobs in the queue.
+    sync_workers: int = Field(default=1, ge=0)
     log_level: str = "INFO"
     # Requests a minute per API key (per client address with keys off) that may start
     # solver work: POST /v1/solve not answered from the body memo, /v1/jobs, /v1/frontier.

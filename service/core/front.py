@@ -36,7 +36,15 @@ from optiremat.service.core.outcome import (
     Solved,
     reusable,
 )
-from optiremat.service.core.runs import Executor, JobRecord, Position, in_thread, job_status
+from optiremat.service.core.runs import (
+    ANONYMOUS,
+    Executor,
+    JobRecord,
+    Position,
+    in_thread,
+    job_status,
+    shows_run,
+)
 from optiremat.service.core.tasks import BudgetRangeTask, SolveTask, Task
 from optiremat.solver.frontier import FrontierResult, frontier_of, point_fields, spaced_budgets
 from optiremat.solver.graph import CostGraph
@@ -95,9 +103,12 @@ def job_summary(record: JobRecord, status: JobStatus) -> JobSummary:
 
 
 def job_view(record: JobRecord, outcome: Outcome | None, running: bool = False) -> Job:
-    """The API's Job: ``outcome`` is the record's, or the live run's once it ended."""
-    status = job_status(outcome, running)
+    """The API's Job: ``outcome`` is the record's, or the live run's once it ended. A
+    submission withdrawn shows nothing of a run that went on without it."""
+    status = job_status(outcome, running, record.withdrawn)
     solution = error = None
+    if not shows_run(record.withdrawn, outcome):
+        record, outcome = replace(record, progress=None), None
     if outcome is not None:
         if isinstance(outcome, Cancelled):
             solution = outcome.partial if isinstance(outcome.partial, Solved) else None
@@ -114,6 +125,10 @@ def job_view(record: JobRecord, outcome: Outcome | None, running: bool = False) 
         solution=None if solution is None else Solution.model_validate_json(solution.solution_json),
         error=error,
     )
+
+
+def _submitter(owner: str | None) -> str:
+    return ANONYMOUS if owner is None else owner
 
 
 def encode_cursor(position: Position) -> str:
@@ -134,6 +149,8 @@ class Front:
         self._store = executor.store
         self._metrics = metrics
         self._flights: dict[str, asyncio.Future[Outcome]] = {}
+        self._flying: dict[str, asyncio.Task[None]] = {}  # the task resolving each flight
+        self._waiters: dict[str, int] = {}  # clients waiting on each flight
         self._tasks: set[asyncio.Task[None]] = set()
         self._body_keys = BodyMemo()
         self._draining = False
@@ -141,10 +158,11 @@ class Front:
     async def _read(self, fn: Callable[..., T], *args: Any) -> T:
         return await in_thread(self._store, fn, *args)
 
-    def _spawn(self, coro: Coroutine[Any, Any, None]) -> None:
+    def _spawn(self, coro: Coroutine[Any, Any, None]) -> asyncio.Task[None]:
         task = asyncio.create_task(coro)
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
+        return task
 
     # ---- lifecycle ----------------------------------------------------------
 
@@ -179,7 +197,7 @@ class Front:
 
     # ---- answers --------------------------------------------------------------
 
-    def _flight(self, task: Task, graph: CostGraph) -> asyncio.Future[Outcome]:
+    def _flight(self, task: Task, graph: CostGraph, client: str) -> asyncio.Future[Outcome]:
         future = self._flights.get(task.key)
         if future is not None:
             self._metrics.coalesced.inc()
@@ -188,12 +206,13 @@ class Front:
         # Retrieve an exception nobody awaited (every client hung up) so it is not logged.
         future.add_done_callback(lambda f: f.cancelled() or f.exception())
         self._flights[task.key] = future
-        self._spawn(self._fly(task, graph, future))
+        self._flying[task.key] = self._spawn(self._fly(task, graph, client, future))
         return future
 
-    async def _fly(self, task: Task, graph: CostGraph, future: asyncio.Future[Outcome]) -> None:
+    async def _fly(self, task: Task, graph: CostGraph, client: str,
+                   future: asyncio.Future[Outcome]) -> None:
         try:
-            outcome = await self._resolve(task, graph)
+            outcome = await self._resolve(task, graph, client)
             if not future.done():
                 future.set_result(outcome)
         except Exception as exc:  # e.g. the store is down: every waiter hears it
@@ -202,28 +221,68 @@ class Front:
         finally:
             if self._flights.get(task.key) is future:
                 del self._flights[task.key]
+                del self._flying[task.key]
 
-    async def _resolve(self, task: Task, graph: CostGraph) -> Outcome:
-        stored = await self._read(self._store.get_answer, task.key)
-        if stored is not None:
-            self._metrics.cache_hits.inc()
-            return stored
-        if await self._executor.ensure(task, graph, job=False):
-            self._metrics.coalesced.inc()  # a run this process did not start
-        outcome = await self._executor.wait(task.key)
-        assert outcome is not None
-        return outcome
+    async def _resolve(self, task: Task, graph: CostGraph, client: str) -> Outcome:
+        for attempt in (1, 2):
+            stored = await self._read(self._store.get_answer, task.key)
+            if stored is not None:
+                self._metrics.cache_hits.inc()
+                return stored
+            if await self._executor.ensure(task, graph, job=False, client=client):
+                self._metrics.coalesced.inc()  # a run this process did not start
+            outcome = await self._executor.wait(task.key)
+            assert outcome is not None
+            # Cancelled under a waiter: everyone before it let the run go (they hung up)
+            # just as this one came. Run it again, once.
+            if not isinstance(outcome, Cancelled) or attempt == 2:
+                return outcome
+        raise AssertionError("unreachable")
+
+    async def _answer(self, task: Task, graph: CostGraph, client: str) -> Outcome:
+        """The task's outcome, waited for in its flight. When the last client waiting
+        on a flight leaves (it hung up), the run is let go: it stops unless someone
+        else still wants it (a job's submission, a waiter on another replica)."""
+        key = task.key
+        future = self._flight(task, graph, client)
+        self._waiters[key] = self._waiters.get(key, 0) + 1
+        try:
+            # shield: one client leaving must not cancel a run others wait on
+            return await asyncio.shield(future)
+        finally:
+            self._waiters[key] -= 1
+            if not self._waiters[key]:
+                del self._waiters[key]
+                if not future.done():
+                    self._let_go(key, future)
+
+    def _let_go(self, key: str, future: asyncio.Future[Outcome]) -> None:
+        fly = None
+        if self._flights.get(key) is future:  # the next client starts a flight afresh
+            del self._flights[key]
+            fly = self._flying.pop(key)
+            fly.cancel()  # it no longer waits (on Redis: no longer counts as waiting)
+        future.cancel()
+
+        async def abandon() -> None:
+            if fly is not None:  # its wait has ended before anyone asks who still waits
+                await asyncio.gather(fly, return_exceptions=True)
+            with contextlib.suppress(Unavailable):  # the store is down: the run goes on
+                if await self._executor.abandon(key):
+                    self._metrics.abandoned.inc()
+
+        self._spawn(abandon())
 
     async def solve(self, graph: CostGraph, budget_bytes: int, options: SolveOptions,
-                    *, body_digest: bytes | None = None) -> Outcome:
+                    *, body_digest: bytes | None = None, client: str = "") -> Outcome:
         """The answer for this request; ``body_digest`` lets ``stored_answer`` find it
-        again from the raw body alone."""
+        again from the raw body alone. ``client`` (who asks: an API key's id or an
+        address) waits its turn at the workers (``fair_queue``)."""
         task = SolveTask(graph_hash=graph.content_hash, budget_bytes=budget_bytes,
                          options=options)
         if body_digest is not None:
             self._body_keys.remember(body_digest, task.key)
-        # shield: a client that hangs up must not cancel a run others may be waiting on
-        return await asyncio.shield(self._flight(task, graph))
+        return await self._answer(task, graph, client)
 
     async def stored_answer(self, body_digest: bytes) -> Outcome | None:
         """The stored answer for a body ``solve`` has seen, without parsing it again."""
@@ -236,7 +295,7 @@ class Front:
         return stored
 
     async def frontier(self, graph: CostGraph, budgets: list[int] | None, count: int | None,
-                       options: SolveOptions) -> Frontier | Outcome:
+                       options: SolveOptions, client: str = "") -> Frontier | Outcome:
         """The frontier, or the outcome that stopped it (cancelled, interrupted, failed).
 
         Each point is one ``solve``, so it is cached and single-flight like
@@ -247,13 +306,14 @@ class Front:
             assert count is not None
             task = BudgetRangeTask(graph_hash=graph.content_hash, tie=options.tie,
                                    offload=options.offload)
-            span = await asyncio.shield(self._flight(task, graph))
+            span = await self._answer(task, graph, client)
             if not isinstance(span, BudgetRange):
                 return span
             low, high = span.min_feasible_budget, span.max_useful_budget
             budgets = spaced_budgets(low, high, count)
         budgets = sorted(set(budgets))
-        outcomes = await asyncio.gather(*(self.solve(graph, b, options) for b in budgets))
+        outcomes = await asyncio.gather(*(self.solve(graph, b, options, client=client)
+                                          for b in budgets))
         points = []
         for budget, outcome in zip(budgets, outcomes, strict=True):
             if isinstance(outcome, Infeasible):
@@ -266,60 +326,62 @@ class Front:
         return frontier_of(graph, options, points, low, high)
 
     # ---- jobs -----------------------------------------------------------------
+    # A job is one run per request hash, and a submission per owner (an API key's id,
+    # ANONYMOUS with keys off): each owner sees its own submission (when it submitted,
+    # whether it cancelled), cancelling withdraws only that owner's, and the run stops
+    # when nothing wants it any more.
 
     async def submit_job(self, graph: CostGraph, budget_bytes: int, options: SolveOptions,
-                         owner: str | None = None) -> Job:
-        """The job for this request: the existing one, or a new (or restarted) one when
-        there is none or it failed or was cancelled. ``owner`` (an API key's id) sees it
-        in its listing from now on, whoever submitted it first."""
+                         owner: str | None = None, client: str = "") -> Job:
+        """``owner``'s submission of the job for this request, from now (renewed if it
+        had cancelled it); the run is started when there is none or it failed or was
+        cancelled, else joined."""
         task = SolveTask(graph_hash=graph.content_hash, budget_bytes=budget_bytes,
                          options=options)
         record = await self._read(self._store.get_job, task.key)
         if record is None or not reusable(record.outcome):
-            await self._executor.ensure(task, graph, job=True)
-            record = await self._read(self._store.get_job, task.key)
-            assert record is not None, "ensure(job=True) records the job"
-        if owner is not None:
-            await self._read(self._store.add_owner, record, owner)
+            await self._executor.ensure(task, graph, job=True, client=client)
+        await self._read(self._store.submit, task.key, _submitter(owner))
+        record = await self._read(self._store.get_job, task.key, owner)
+        assert record is not None, "ensure(job=True) records the job"
         return await self._view(record)
 
     async def list_jobs(self, owner: str | None, status: JobStatus | None, limit: int,
                         cursor: str | None = None) -> JobPage:
-        """Jobs newest first (``owner``'s only, unless None). Raises ``ValueError`` for a
-        cursor this server did not hand out."""
+        """Jobs newest first (``owner``'s submissions only, unless None). Raises
+        ``ValueError`` for a cursor this server did not hand out."""
         after = None if cursor is None else decode_cursor(cursor)
         records, position = await self._read(self._store.list_jobs, owner, status, after,
                                              limit)
         summaries = []
         for record in records:
             record, outcome, running = await self._live(record)
-            summaries.append(job_summary(record, job_status(outcome, running)))
+            summaries.append(job_summary(record, job_status(outcome, running,
+                                                            record.withdrawn)))
         return JobPage(jobs=summaries,
                        next_cursor=None if position is None else encode_cursor(position))
 
-    async def _owned_job(self, job_id: str, owner: str | None) -> JobRecord | None:
-        """The job's record, or None when there is none or, with ``owner`` (an API key's
-        id), when that key did not submit it: another key's job looks absent."""
-        record = await self._read(self._store.get_job, job_id)
-        if record is None or owner is None:
-            return record
-        return record if await self._read(self._store.owns, owner, job_id) else None
-
     async def get_job(self, job_id: str, owner: str | None = None) -> Job | None:
-        record = await self._owned_job(job_id, owner)
+        """The job as ``owner`` submitted it; None when it did not (another key's job
+        looks absent)."""
+        record = await self._read(self._store.get_job, job_id, owner)
         return None if record is None else await self._view(record)
 
     async def cancel_job(self, job_id: str, owner: str | None = None,
                          wait_s: float = 5.0) -> Job | None:
-        """Cancel a queued or running job and wait (briefly) for it to settle."""
-        record = await self._owned_job(job_id, owner)
+        """Withdraw ``owner``'s submission (every one with keys off); the run is
+        cancelled, and waited for briefly, when nothing else wants it."""
+        record = await self._read(self._store.get_job, job_id, owner)
         if record is None:
             return None
-        if record.outcome is None:
-            await self._executor.cancel(job_id)
-            with contextlib.suppress(Unavailable):  # the store went away: report it as it is
-                await self._executor.wait(job_id, timeout_s=wait_s)
-        return await self.get_job(job_id)
+        if record.outcome is None and not record.withdrawn:
+            still_wanted = await self._read(self._store.withdraw, job_id, owner)
+            if (not still_wanted and not self._waiters.get(job_id)
+                    and await self._executor.abandon(job_id)):
+                await self._read(self._store.stopped_for, job_id, owner)
+                with contextlib.suppress(Unavailable):  # the store went away: as it is
+                    await self._executor.wait(job_id, timeout_s=wait_s)
+        return await self.get_job(job_id, owner)
 
     async def _live(self, record: JobRecord) -> tuple[JobRecord, Outcome | None, bool]:
         """(record, outcome, running): while unfinished, the live run is the truth."""

@@ -41,6 +41,11 @@ class Metrics:
             "optiremat_coalesced_requests",
             "Requests that joined an identical solve already in flight", registry=r,
         )
+        self.abandoned = Counter(
+            "optiremat_abandoned_runs",
+            "Runs stopped because every client waiting on them hung up and no job wanted "
+            "them", registry=r,
+        )
         self.queue_depth = Gauge(
             "optiremat_queue_depth", "Solver tasks waiting for a free worker", registry=r,
         )

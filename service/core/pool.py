@@ -3,7 +3,8 @@
 Each worker is a long-lived spawned process (warm imports) with its own pipe and
 its own cancel ``Event``: setting the event reaches the solve running there, and
 the solver returns its best incumbent. A worker that dies is replaced; the task
-it held fails with a clear message.
+it held fails with a clear message. Tasks wait in a ``FairQueue``: the ``size``
+workers take sync runs before jobs, the ``sync_size`` more take sync runs only.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from dataclasses import dataclass, field
 from multiprocessing.context import SpawnProcess
 from multiprocessing.synchronize import Event
 
+from optiremat.service.core.fair_queue import FairQueue
 from optiremat.service.core.metrics import Metrics
 from optiremat.service.core.outcome import (
     Cancelled,
@@ -30,7 +32,7 @@ from optiremat.service.core.outcome import (
     TaskResult,
 )
 from optiremat.service.core.pool_worker import Ready, worker_main
-from optiremat.service.core.tasks import SolveTask, Task
+from optiremat.service.core.tasks import Lane, SolveTask, Task
 from optiremat.solver.wire import Progress
 
 log = logging.getLogger("optiremat.service")
@@ -40,6 +42,8 @@ log = logging.getLogger("optiremat.service")
 class PoolTask:
     task: Task
     graph_json: str
+    lane: Lane = Lane.SYNC
+    owner: str = ""  # whose turn it waits for (fair_queue)
     on_progress: Callable[[Progress], None] | None = None
     on_start: Callable[[], None] | None = None  # when a worker takes it
     future: asyncio.Future[Outcome] = field(init=False)
@@ -78,15 +82,17 @@ class _Worker:
 
 
 class WorkerPool:
-    def __init__(self, size: int, metrics: Metrics) -> None:
-        self.size = size
+    def __init__(self, size: int, metrics: Metrics, sync_size: int = 0) -> None:
+        self.size = size + sync_size
+        # slot -> the lanes its worker serves, in order
+        self._lanes = [(Lane.SYNC, Lane.BACKGROUND)] * size + [(Lane.SYNC,)] * sync_size
         self._metrics = metrics
-        self._queue: asyncio.Queue[PoolTask] = asyncio.Queue()
+        self._queue: FairQueue[PoolTask] = FairQueue()
         self._workers: list[_Worker] = []
         self._slots: list[asyncio.Task[None]] = []
         self._running: set[PoolTask] = set()
         # One thread per worker does the blocking pipe I/O.
-        self._io = ThreadPoolExecutor(max_workers=size, thread_name_prefix="optiremat-pipe")
+        self._io = ThreadPoolExecutor(max_workers=self.size, thread_name_prefix="optiremat-pipe")
         self._stopping = False
 
     async def start(self) -> None:
@@ -111,7 +117,7 @@ class WorkerPool:
         if self._stopping:
             task.future.set_result(Interrupted())
             return task.future
-        self._queue.put_nowait(task)
+        self._queue.put(task, task.lane, task.owner)
         self._metrics.queue_depth.set(self._queue.qsize())
         return task.future
 
@@ -129,7 +135,7 @@ class WorkerPool:
         loop = asyncio.get_running_loop()
         while True:
             await self._ready_worker(loop, slot)  # warm before taking work
-            task = await self._queue.get()
+            task = await self._queue.get(self._lanes[slot])
             self._metrics.queue_depth.set(self._queue.qsize())
             if task.future.done():
                 continue
@@ -223,8 +229,7 @@ class WorkerPool:
         await asyncio.gather(*(loop.run_in_executor(None, w.join, grace_s)
                                for w in self._workers))
         self._workers.clear()  # frees the cancel Events' semaphores before the process exits
-        while not self._queue.empty():
-            unfinished.add(self._queue.get_nowait())
+        unfinished.update(self._queue.drain())
         for task in unfinished:
             if not task.future.done():
                 task.future.set_result(Interrupted())

@@ -25,7 +25,7 @@ from optiremat.service.core.outcome import Cancelled, Failed, Interrupted, Outco
 from optiremat.service.core.pool import PoolTask, WorkerPool
 from optiremat.service.core.runs import Live, in_thread
 from optiremat.service.core.store import Evicted, SqliteStore
-from optiremat.service.core.tasks import Task
+from optiremat.service.core.tasks import Lane, Task
 from optiremat.solver.graph import CostGraph
 from optiremat.solver.wire import Progress
 
@@ -37,6 +37,8 @@ T = TypeVar("T")
 class _Run:
     task: Task
     future: asyncio.Future[Outcome]
+    lane: Lane
+    client: str
     cancel_requested: bool = False
     pool_task: PoolTask | None = None
     progress: Progress | None = None
@@ -66,7 +68,7 @@ class PoolExecutor:
                             on_evict=count)
         metrics.store_bytes.set_function(store.disk_bytes)
         metrics.store_max_bytes.set(settings.store_max_bytes)
-        return cls(store, WorkerPool(settings.workers, metrics), metrics,
+        return cls(store, WorkerPool(settings.workers, metrics, settings.sync_workers), metrics,
                    settings.max_queued_jobs)
 
     async def _io(self, fn: Callable[..., T], *args: Any) -> T:
@@ -83,6 +85,9 @@ class PoolExecutor:
                 await self._keeper.record(key, Failed(
                     message="the solver was upgraded since this job was submitted; "
                             "submit the request again"), None)
+                continue
+            if not await self._io(self.store.wanted, key):  # it ran on for clients now gone
+                await self._keeper.record(key, Cancelled(), None)
                 continue
             self._start(task, graph_json)
             log.info("requeued job %s", key)
@@ -113,7 +118,8 @@ class PoolExecutor:
 
     # ---- runs ---------------------------------------------------------------
 
-    async def ensure(self, task: Task, graph: CostGraph, *, job: bool) -> bool:
+    async def ensure(self, task: Task, graph: CostGraph, *, job: bool,
+                     client: str = "") -> bool:
         if task.key not in self._runs:
             self._keeper.refuse_new_work()
             await self._check_queue(task)
@@ -124,7 +130,8 @@ class PoolExecutor:
             await self._keeper.write(self.store.put_job, task.key, task, graph_json)
         if task.key in self._runs:
             return True
-        self._start(task, graph if graph_json is None else graph_json)
+        self._start(task, graph if graph_json is None else graph_json,
+                    Lane.BACKGROUND if job else Lane.SYNC, client)
         return False
 
     async def _check_queue(self, task: Task) -> None:
@@ -137,8 +144,9 @@ class PoolExecutor:
         self._metrics.rejected.labels(reason="queue_full").inc()
         raise queue_full(queued, self._max_queued)
 
-    def _start(self, task: Task, graph: CostGraph | str) -> None:
-        run = _Run(task, asyncio.get_running_loop().create_future())
+    def _start(self, task: Task, graph: CostGraph | str, lane: Lane = Lane.BACKGROUND,
+               client: str = "") -> None:
+        run = _Run(task, asyncio.get_running_loop().create_future(), lane, client)
         self._runs[task.key] = run
         driver = asyncio.create_task(self._drive(run, graph))
         self._drivers.add(driver)
@@ -175,7 +183,7 @@ class PoolExecutor:
             return Cancelled()
         # No await between creating the task and queueing it: cancel sees either no
         # task (and the check above) or a task it can cancel.
-        run.pool_task = PoolTask(run.task, graph_json,
+        run.pool_task = PoolTask(run.task, graph_json, run.lane, run.client,
                                  on_progress=lambda report: setattr(run, "progress", report),
                                  on_start=lambda: self._mark_running(run.task.key))
         return settled(await self._pool.submit(run.pool_task))
@@ -208,3 +216,9 @@ class PoolExecutor:
         run.cancel_requested = True
         if run.pool_task is not None:
             self._pool.cancel(run.pool_task)
+
+    async def abandon(self, key: str) -> bool:
+        if key not in self._runs or await self._io(self.store.wanted, key):
+            return False
+        await self.cancel(key)
+        return True

@@ -18,8 +18,10 @@ Keys (``PREFIX`` carries the layout's version):
 - ``{PREFIX}:graph_runs:{graph_hash}``: the unfinished runs that need the graph;
 - ``{PREFIX}:rate:{client}``: a client's rate-limit state (``RedisRateLimiter``),
   gone once the client is back under its limit;
+- ``{PREFIX}:owners:{key}`` and ``{PREFIX}:waiting:{key}``: who wants the run
+  (``redis_interest``);
 - ``{PREFIX}:jobs`` and ``{PREFIX}:jobs:{owner}``: sorted sets of job keys by
-  ``created_at``, all jobs and those of one API key's id, for ``GET /v1/jobs``;
+  ``created_at``, all jobs and one API key's id's submissions, for ``GET /v1/jobs``;
   trimmed of what is older than ``ttl_s`` as they grow, and of what has gone from
   Redis as they are read.
 
@@ -32,8 +34,9 @@ queue and registries (docker/README.md).
 
 The RQ job that runs a request has the request hash as its id, so a request is
 queued once however many replicas receive it. Its queue is named after the
-layout and the solver version (``queue_name``): a worker only takes requests
-whose hash its own solver would compute, and a rolling upgrade never mixes them.
+layout, the solver version and the run's lane (``queue_name``): a worker only takes
+requests whose hash its own solver would compute, and a rolling upgrade never mixes
+them; a worker takes sync runs before jobs, and ``--sync-only`` ones nothing else.
 """
 
 from __future__ import annotations
@@ -74,8 +77,9 @@ from optiremat.service.core.outcome import (
     is_answer,
     reusable,
 )
-from optiremat.service.core.runs import JobRecord, Live, Position
-from optiremat.service.core.tasks import TASKS, SolveTask, Task, solver_version
+from optiremat.service.core.redis_interest import RunInterest
+from optiremat.service.core.runs import ANONYMOUS, JobRecord, Live, Position
+from optiremat.service.core.tasks import TASKS, Lane, SolveTask, Task, solver_version
 from optiremat.solver.wire import STORE_UNAVAILABLE, JobStatus, Progress
 
 log = logging.getLogger("optiremat.service")
@@ -91,8 +95,9 @@ _LIVE = (RQStatus.QUEUED, RQStatus.STARTED, RQStatus.SCHEDULED, RQStatus.DEFERRE
          RQStatus.CREATED, RQStatus.READY_TO_ENQUEUE)
 
 
-def queue_name() -> str:
-    return f"{PREFIX.replace(':', '.')}.{solver_version()}"
+def queue_name(lane: Lane = Lane.BACKGROUND) -> str:
+    name = f"{PREFIX.replace(':', '.')}.{solver_version()}"
+    return name if lane == Lane.BACKGROUND else f"{name}.{lane}"
 
 
 def job_timeout_s(time_limit_s: float) -> int:
@@ -159,6 +164,7 @@ if redis.call('HGET', KEYS[1], 'generation') == ARGV[1]
     if ARGV[5] ~= '' then redis.call('HSET', KEYS[1], 'progress', ARGV[5]) end
     redis.call('EXPIRE', KEYS[1], ARGV[4])
     if ARGV[6] ~= '' then redis.call('SET', KEYS[2], ARGV[6], 'EX', ARGV[4]) end
+    redis.call('EXPIRE', KEYS[5], ARGV[4])
     redis.call('SREM', KEYS[4], ARGV[7])
     if redis.call('SCARD', KEYS[4]) == 0 then redis.call('EXPIRE', KEYS[3], ARGV[4]) end
     return 1
@@ -180,7 +186,9 @@ class RedisStore:
         self.redis = redis
         self.ttl_s = ttl_s
         self.retries = retries
-        self.queue = Queue(queue_name(), connection=redis, serializer=JSONSerializer)
+        self.queues = {lane: Queue(queue_name(lane), connection=redis,
+                                   serializer=JSONSerializer) for lane in Lane}
+        self.interest = RunInterest(redis, PREFIX)
         self._finish = redis.register_script(_FINISH)
         self._update_live = redis.register_script(_UPDATE_LIVE)
 
@@ -208,10 +216,14 @@ class RedisStore:
     def jobs_key(owner: str | None = None) -> str:
         return f"{PREFIX}:jobs" if owner is None else f"{PREFIX}:jobs:{owner}"
 
-    def _index(self, pipe: Any, owner: str | None, job: JobRecord | RunRecord) -> None:
+    def _index(self, pipe: Any, owner: str | None, key: str, created_at: float) -> None:
         index = self.jobs_key(owner)
-        pipe.zadd(index, {job.key: job.created_at})
+        pipe.zadd(index, {key: created_at})
         pipe.zremrangebyscore(index, "-inf", time.time() - self.ttl_s)
+
+    def queued(self) -> int:
+        """Runs waiting for a worker, in every lane."""
+        return sum(queue.count for queue in self.queues.values())
 
     def unavailable(self, exc: Exception) -> Unavailable | None:
         if not isinstance(exc, RedisError):
@@ -236,21 +248,40 @@ class RedisStore:
     def get_run(self, key: str) -> RunRecord | None:
         return _record(key, self.redis.hgetall(self.run_key(key)))
 
-    def get_job(self, key: str) -> JobRecord | None:
+    def get_job(self, key: str, owner: str | None = None) -> JobRecord | None:
         record = self.get_run(key)
         if record is None or not record.job:
             return None
+        submission = self.interest.submission(key, ANONYMOUS if owner is None else owner)
+        if owner is not None and submission is None:
+            return None
         if record.outcome is not None:  # a use renews a finished job's lifetime
-            self.redis.expire(self.run_key(key), self.ttl_s)
-        return record.as_job()
+            for renewed in (self.run_key(key), self.interest.owners_key(key)):
+                self.redis.expire(renewed, self.ttl_s)
+        job = record.as_job()
+        if submission is None:
+            return job
+        return replace(job, withdrawn=submission.withdrawn,
+                       created_at=job.created_at if owner is None else submission.created_at)
 
-    def add_owner(self, job: JobRecord, owner: str) -> None:
-        with self.redis.pipeline() as pipe:
-            self._index(pipe, owner, job)
-            pipe.execute()
+    def submit(self, key: str, owner: str) -> None:
+        record = self.get_run(key)
+        assert record is not None, "submitted after the run was recorded"
+        submission = self.interest.submit(key, owner, unfinished=record.outcome is None,
+                                          ttl_s=self.ttl_s)
+        if owner != ANONYMOUS:
+            with self.redis.pipeline() as pipe:
+                self._index(pipe, owner, key, submission.created_at)
+                pipe.execute()
 
-    def owns(self, owner: str, key: str) -> bool:
-        return self.redis.zscore(self.jobs_key(owner), key) is not None
+    def withdraw(self, key: str, owner: str | None) -> bool:
+        return self.interest.withdraw(key, owner)
+
+    def stopped_for(self, key: str, owner: str | None) -> None:
+        self.interest.stopped_for(key, owner)
+
+    def wanted(self, key: str) -> bool:
+        return self.interest.wanted(key)
 
     def list_jobs(self, owner: str | None, status: JobStatus | None, after: Position | None,
                   limit: int) -> tuple[list[JobRecord], Position | None]:
@@ -273,7 +304,10 @@ class RedisStore:
                 for member, _ in entries:
                     pipe.hgetall(self.run_key(_text(member)))
                 raws = pipe.execute()
-            for (member, score), raw in zip(entries, raws, strict=True):
+            submissions = self.interest.submissions([_text(m) for m, _ in entries],
+                                                    ANONYMOUS if owner is None else owner)
+            for (member, score), raw, submission in zip(entries, raws, submissions,
+                                                        strict=True):
                 key = _text(member)
                 if after is not None and (score, key) >= after:
                     continue  # on the last page already
@@ -283,6 +317,8 @@ class RedisStore:
                     gone.append(key)
                     continue
                 job = record.as_job()
+                if submission is not None:
+                    job = replace(job, withdrawn=submission.withdrawn, created_at=score)
                 if status is None or job.status == status:
                     jobs.append(job)
                     if len(jobs) == limit:
@@ -336,7 +372,7 @@ class RedisStore:
                         if job and not record.job:
                             pipe.multi()
                             pipe.hset(run_key, "job", "1")
-                            self._index(pipe, None, record)
+                            self._index(pipe, None, key, record.created_at)
                             pipe.execute()
                             record = replace(record, job=True)
                         return record, False
@@ -352,7 +388,7 @@ class RedisStore:
                         **({"outcome": encode(cached)} if cached is not None else {}),
                     })
                     if record.job:
-                        self._index(pipe, None, record)
+                        self._index(pipe, None, key, now)
                     if cached is None:  # unfinished: no expiry, and it holds its graph
                         pipe.sadd(self.graph_runs_key(task.graph_hash), key)
                         pipe.persist(self.graph_key(task.graph_hash))
@@ -368,10 +404,12 @@ class RedisStore:
         key = record.key
         # The id is reused across generations: drop what RQ kept of the last run, so its
         # registries' expiry cannot later delete the new job or report its old result.
-        for registry in (FinishedJobRegistry, FailedJobRegistry, CanceledJobRegistry):
-            registry(queue=self.queue).remove(key, pipeline=pipe)
+        for queue in self.queues.values():  # the last run may have been in either lane
+            for registry in (FinishedJobRegistry, FailedJobRegistry, CanceledJobRegistry):
+                registry(queue=queue).remove(key, pipeline=pipe)
         pipe.delete(RQJob.key_for(key), Result.get_key(key))
-        self.queue.enqueue_call(
+        lane = Lane.BACKGROUND if record.job else Lane.SYNC
+        self.queues[lane].enqueue_call(
             TASK_FUNCTION,
             args=(record.task.model_dump(mode="json"), key, record.generation, self.ttl_s),
             job_id=key,
@@ -431,11 +469,14 @@ class RedisStore:
         expire after ``lock_s`` rather than deleting it, so replicas reap in turn
         and one dying here holds nobody up.
         """
-        if self.redis.set(self.queue.registry_cleaning_key, "1", nx=True,
+        queues = self.queues.values()
+        if self.redis.set(self.queues[Lane.BACKGROUND].registry_cleaning_key, "1", nx=True,
                           px=int(lock_s * 1000)):
-            StartedJobRegistry(queue=self.queue).cleanup()
-        running = StartedJobRegistry(queue=self.queue).get_job_count(cleanup=False)
-        return self.queue.count, running
+            for queue in queues:
+                StartedJobRegistry(queue=queue).cleanup()
+        running = sum(StartedJobRegistry(queue=queue).get_job_count(cleanup=False)
+                      for queue in queues)
+        return self.queued(), running
 
     def usage(self) -> Usage:
         """Redis' memory and what it has dropped since it started."""
@@ -452,7 +493,8 @@ class RedisStore:
     def worker_count(self) -> int:
         from rq import Worker
 
-        return Worker.count(connection=self.redis, queue=self.queue)
+        return len({worker.name for queue in self.queues.values()
+                    for worker in Worker.all(queue=queue)})
 
     # ---- the worker's side ------------------------------------------------------
 
@@ -472,7 +514,7 @@ class RedisStore:
         answer = text if is_answer(outcome) else ""
         written = self._finish(
             keys=[self.run_key(key), self.answer_key(key), self.graph_key(graph_hash),
-                  self.graph_runs_key(graph_hash)],
+                  self.graph_runs_key(graph_hash), self.interest.owners_key(key)],
             args=[run.generation, text, time.time(), self.ttl_s,
                   progress.model_dump_json() if progress else "", answer, key],
         )

@@ -14,6 +14,7 @@ import asyncio
 import contextlib
 import logging
 import time
+import uuid
 from collections.abc import Callable
 from typing import Any, TypeVar
 
@@ -92,7 +93,7 @@ class RQExecutor:
         try:
             await asyncio.to_thread(self.store.ping)
             workers = await asyncio.to_thread(self.store.worker_count)
-            queue_depth = await asyncio.to_thread(lambda: self.store.queue.count)
+            queue_depth = await asyncio.to_thread(self.store.queued)
         except RedisError as exc:
             raise Unavailable("Not ready", f"Redis does not answer: {exc}") from exc
         return Readiness(workers=workers, queue_depth=queue_depth)
@@ -124,7 +125,10 @@ class RQExecutor:
 
     # ---- runs -------------------------------------------------------------------
 
-    async def ensure(self, task: Task, graph: CostGraph, *, job: bool) -> bool:
+    async def ensure(self, task: Task, graph: CostGraph, *, job: bool,
+                     client: str = "") -> bool:
+        # RQ queues are first in, first out: ``client`` takes no turns here; the sync
+        # lane (its own queue) keeps a client's solve from waiting behind jobs.
         await self._check_queue(task)
         if not await self._call(self.store.has_graph, task.graph_hash):
             graph_json = await asyncio.to_thread(graph.canonical_json)  # MBs: off the loop
@@ -137,7 +141,7 @@ class RQExecutor:
     async def _check_queue(self, task: Task) -> None:
         """A run past the bound on queued ones is refused, unless it joins a run under
         way or is answered already."""
-        queued = await self._call(lambda: self.store.queue.count)
+        queued = await self._call(self.store.queued)
         if queued < self._max_queued:
             return
         run = await self._call(self.store.get_run, task.key)
@@ -149,13 +153,27 @@ class RQExecutor:
         raise queue_full(queued, self._max_queued)
 
     async def wait(self, key: str, timeout_s: float | None = None) -> Outcome | None:
+        """As the protocol says; meanwhile this waiter counts as wanting the run, for
+        ``abandon`` on any replica."""
+        waiter = uuid.uuid4().hex
+        try:
+            return await self._wait(key, timeout_s, waiter)
+        finally:
+            with contextlib.suppress(RedisError):  # gone by itself in WAITER_TTL_MS
+                await asyncio.to_thread(self.store.interest.stop_waiting, key, waiter)
+
+    async def _wait(self, key: str, timeout_s: float | None, waiter: str) -> Outcome | None:
         now = time.monotonic()
         deadline = None if timeout_s is None else now + timeout_s
         next_live_check = now + _LIVE_CHECK_S
+        renew_at = now  # the waiter's next renewal
         outage_since: float | None = None
         delay = _FIRST_POLL_S
         while True:
             try:
+                if time.monotonic() >= renew_at:
+                    await asyncio.to_thread(self.store.interest.wait, key, waiter)
+                    renew_at = time.monotonic() + _LIVE_CHECK_S
                 outcome = await asyncio.to_thread(self.store.outcome, key)
                 if outcome is None and time.monotonic() >= next_live_check:
                     outcome = (await asyncio.to_thread(self.store.live, key)).outcome
@@ -180,3 +198,9 @@ class RQExecutor:
 
     async def cancel(self, key: str) -> None:
         await self._call(self.store.cancel, key)
+
+    async def abandon(self, key: str) -> bool:
+        if not await self._call(self.store.interest.unwanted, key, self.store.run_key(key)):
+            return False
+        await self.cancel(key)
+        return True

@@ -41,7 +41,7 @@ from rq.serializers import JSONSerializer
 from optiremat.service.core.config import Settings, redact_url
 from optiremat.service.core.outcome import Cancelled, Failed, settled
 from optiremat.service.core.redis_store import RedisStore, queue_name
-from optiremat.service.core.tasks import TASKS, run_task
+from optiremat.service.core.tasks import TASKS, Lane, run_task
 from optiremat.solver.wire import Progress
 
 log = logging.getLogger("optiremat.worker")
@@ -84,9 +84,10 @@ class SolverWorker(Worker):
         super().request_stop(signum, frame)
 
 
-def work(settings: Settings, *, burst: bool = False) -> int:
+def work(settings: Settings, *, burst: bool = False, sync_only: bool = False) -> int:
     """Run a worker until SIGTERM (which lets the current solve finish) or, with
-    ``burst``, until the queue is empty.
+    ``burst``, until the queues are empty. It takes sync runs before jobs; with
+    ``sync_only``, nothing else (a lane clients waiting on a solve never lose to jobs).
 
     RQ rides out a Redis outage while it waits for a job, but quits its loop when
     Redis fails it anywhere else (a heartbeat, a registry's upkeep). So this
@@ -101,6 +102,8 @@ def work(settings: Settings, *, burst: bool = False) -> int:
     import optiremat.solver.solve  # noqa: F401  (every forked horse inherits the warm import)
 
     redis = Redis.from_url(settings.redis_url)
+    # RQ takes from the first queue that has a job: sync runs first
+    queues = [queue_name(Lane.SYNC)] + ([] if sync_only else [queue_name(Lane.BACKGROUND)])
     delay = RECONNECT_FIRST_S
     for attempt in itertools.count():
         worker: SolverWorker | None = None
@@ -108,12 +111,12 @@ def work(settings: Settings, *, burst: bool = False) -> int:
         try:
             # a fresh name after a restart: the last one may still be registered
             name = f"{socket.gethostname()}.{os.getpid()}" + (f".{attempt}" if attempt else "")
-            worker = SolverWorker([queue_name()], name=name, connection=redis,
+            worker = SolverWorker(queues, name=name, connection=redis,
                                   serializer=JSONSerializer,
                                   job_monitoring_interval=settings.worker_heartbeat_s,
                                   log_job_description=False)
             log.info("worker started", extra={"redis": redact_url(settings.redis_url),
-                                              "queue": queue_name(), "worker": name})
+                                              "queues": queues, "worker": name})
             worker.work(burst=burst, logging_level=settings.log_level.upper())
             reason = "it stopped"
         except RedisError as exc:

@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Callable
 from dataclasses import dataclass
+from enum import IntEnum
 from typing import Any, Protocol, TypeVar
 
 from optiremat.service.core.errors import Unavailable
@@ -25,10 +26,24 @@ from optiremat.solver.wire import JobStatus, Progress
 T = TypeVar("T")
 
 
+ANONYMOUS = ""
+"""The one owner of every job submitted with API keys off."""
+
+
+class Withdrawal(IntEnum):
+    """Where an owner's submission of a job stands (``DELETE /v1/jobs/{id}``)."""
+
+    NONE = 0  # it wants the run
+    LEFT = 1  # withdrawn while the run went on for others: it shows nothing of the run
+    STOPPED = 2  # withdrawn, and the run stopped for it: it shows how the run ended
+
+
 @dataclass(frozen=True)
 class JobRecord:
     """A job as its store keeps it; ``outcome`` is None until it has finished, and
-    ``started`` says whether a worker has taken it meanwhile."""
+    ``started`` says whether a worker has taken it meanwhile. Read for an owner, it is
+    that owner's submission: ``created_at`` is when it submitted, ``withdrawn`` whether
+    it has cancelled since (``Withdrawal``)."""
 
     key: str
     task: SolveTask
@@ -37,19 +52,30 @@ class JobRecord:
     outcome: Outcome | None
     progress: Progress | None
     started: bool = False
+    withdrawn: Withdrawal = Withdrawal.NONE
 
     @property
     def status(self) -> JobStatus:
         """The status the store knows of (the live run may know better)."""
-        return job_status(self.outcome, self.started)
+        return job_status(self.outcome, self.started, self.withdrawn)
 
 
 Position = tuple[float, str]
 """Where a job stands in a listing, newest first: (created_at, key)."""
 
 
-def job_status(outcome: Outcome | None, running: bool = False) -> JobStatus:
-    """The status of a job that ended so, or, unfinished, is ``running`` or not."""
+def shows_run(withdrawn: Withdrawal, outcome: Outcome | None) -> bool:
+    """Whether a submission so withdrawn shows the run, that ended so (None: not yet)."""
+    return withdrawn == Withdrawal.NONE or (withdrawn == Withdrawal.STOPPED
+                                            and outcome is not None)
+
+
+def job_status(outcome: Outcome | None, running: bool = False,
+               withdrawn: Withdrawal = Withdrawal.NONE) -> JobStatus:
+    """The status of a job that ended so, or, unfinished, is ``running`` or not; as
+    the submission sees it, withdrawn so."""
+    if not shows_run(withdrawn, outcome):
+        return JobStatus.CANCELLED
     if outcome is None:
         return JobStatus.RUNNING if running else JobStatus.QUEUED
     if outcome.type == "solved":
@@ -76,19 +102,29 @@ class Store(Protocol):
 
     def get_answer(self, key: str) -> Answer | None: ...
 
-    def get_job(self, key: str) -> JobRecord | None: ...
+    def get_job(self, key: str, owner: str | None = None) -> JobRecord | None:
+        """The job; with ``owner``, as that owner submitted it, and None when it did not.
+        Without, ``withdrawn`` is the ``ANONYMOUS`` submission's."""
 
-    def add_owner(self, job: JobRecord, owner: str) -> None:
-        """List the job for this API key's id too."""
+    def submit(self, key: str, owner: str) -> None:
+        """``owner``'s submission of the (recorded) job, from now; one it had withdrawn
+        is submitted afresh."""
 
-    def owns(self, owner: str, key: str) -> bool:
-        """Whether this API key's id submitted the job (``add_owner``)."""
+    def withdraw(self, key: str, owner: str | None) -> bool:
+        """Withdraw ``owner``'s submission of the job (every one when None): ``LEFT``;
+        whether a submission not withdrawn remains."""
+
+    def stopped_for(self, key: str, owner: str | None) -> None:
+        """The run stopped for ``owner``'s withdrawal (every one's when None): ``STOPPED``."""
+
+    def wanted(self, key: str) -> bool:
+        """Whether a submission of the job is not withdrawn."""
 
     def list_jobs(self, owner: str | None, status: JobStatus | None, after: Position | None,
                   limit: int) -> tuple[list[JobRecord], Position | None]:
-        """Jobs newest first, after ``after``: those of ``owner`` (all when None), with
-        ``status`` (any when None); at most ``limit``, and where the next page starts
-        (None on the last one)."""
+        """Jobs newest first, after ``after``: ``owner``'s submissions (every job when
+        None), with ``status`` (any when None); at most ``limit``, and where the next
+        page starts (None on the last one)."""
 
     def unavailable(self, exc: Exception) -> Unavailable | None:
         """``exc`` as a 503 when it means the store is down or full, else None."""
@@ -118,9 +154,11 @@ class Executor(Protocol):
     async def readiness(self) -> Readiness:
         """Raises ``Unavailable`` when not ready."""
 
-    async def ensure(self, task: Task, graph: CostGraph, *, job: bool) -> bool:
+    async def ensure(self, task: Task, graph: CostGraph, *, job: bool,
+                     client: str = "") -> bool:
         """Start the task's run unless one is under way or has answered; with ``job``
-        the run is (also) a job. True when it joined a run under way."""
+        the run is (also) a job, else a client waits on it (the sync lane); ``client``
+        takes its turn with other clients'. True when it joined a run under way."""
 
     async def wait(self, key: str, timeout_s: float | None = None) -> Outcome | None:
         """How the run ends, once recorded; None if ``timeout_s`` passes first."""
@@ -129,3 +167,8 @@ class Executor(Protocol):
 
     async def cancel(self, key: str) -> None:
         """Drop the run if queued, or ask its solver to stop and keep its best plan."""
+
+    async def abandon(self, key: str) -> bool:
+        """No client in this process waits on the run any more: cancel it unless
+        something still wants it (a job submission not withdrawn; in cluster mode a
+        client waiting on another replica). True when it was cancelled."""

@@ -6,10 +6,10 @@ kept in the one codec of ``optiremat.service.core.outcome``. Every write is one
 transaction: a failure (a full disk, a read-only one) leaves the store as it was.
 
 Tables: ``answers`` (request hash -> answer), ``jobs`` (request hash -> task,
-status, outcome, progress, times), ``job_owners`` (which API keys submitted a job)
-and ``graphs`` (content hash -> canonical graph JSON), which holds the graphs of
-unfinished jobs, to run them again after a restart; a graph goes once no unfinished
-job needs it.
+status, outcome, progress, times), ``job_owners`` (each owner's submission of a job:
+when, and whether withdrawn) and ``graphs`` (content hash -> canonical graph JSON),
+which holds the graphs of unfinished jobs, to run them again after a restart; a
+graph goes once no unfinished job needs it.
 
 The store is bounded (``max_bytes``, ``ttl_s``). Answers and finished jobs record
 when they were last used; reads note it in memory and ``maintain`` writes it, so
@@ -36,15 +36,22 @@ from pathlib import Path
 
 from optiremat.service.core.errors import Unavailable
 from optiremat.service.core.outcome import Answer, Outcome, decode, encode, is_answer
-from optiremat.service.core.runs import JobRecord, Position, job_status
+from optiremat.service.core.runs import (
+    ANONYMOUS,
+    JobRecord,
+    Position,
+    Withdrawal,
+    job_status,
+)
 from optiremat.service.core.tasks import SolveTask
 from optiremat.solver.wire import STORE_UNAVAILABLE, JobStatus, Progress
 
 log = logging.getLogger("optiremat.service")
 
 # 1: the first release's layout and codec; 2: one outcome codec, graphs apart, sizes and
-# last use for eviction.
-_SCHEMA_VERSION = 2
+# last use for eviction; 3: submissions withdrawn (job_owners.cancelled), and one for
+# every job (ANONYMOUS's with keys off).
+_SCHEMA_VERSION = 3
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS answers (
     key TEXT PRIMARY KEY,          -- request hash
@@ -71,7 +78,8 @@ CREATE INDEX IF NOT EXISTS jobs_newest_first ON jobs (created_at DESC, key DESC)
 CREATE TABLE IF NOT EXISTS job_owners (
     owner TEXT NOT NULL,           -- the key id of an API key that submitted the job
     key TEXT NOT NULL,
-    created_at REAL NOT NULL,      -- the job's, to list an owner's jobs newest first
+    created_at REAL NOT NULL,      -- the submission's, to list an owner's jobs newest first
+    cancelled INTEGER NOT NULL DEFAULT 0,  -- withdrawn by its owner: runs.Withdrawal
     PRIMARY KEY (owner, key)
 );
 CREATE INDEX IF NOT EXISTS job_owners_newest_first ON job_owners (owner, created_at DESC, key DESC);
@@ -90,15 +98,24 @@ _EVICT_BATCH = 256
 PROBE_FREE_BYTES = 1 << 20
 
 
-_JOB_COLUMNS = "key, task, outcome, progress, created_at, updated_at, status"
+def _seen_by(owner: str | None) -> tuple[str, str, str]:
+    """(columns, source, order) of jobs as ``owner`` sees them, the source taking the
+    owner as its one parameter: its submissions, or with None every job, withdrawn
+    when ``ANONYMOUS`` withdrew it."""
+    created, withdrawn, join = (("jobs.created_at", "coalesce(mine.cancelled, 0)", "LEFT JOIN")
+                                if owner is None else ("mine.created_at", "mine.cancelled", "JOIN"))
+    return (f"jobs.key, task, outcome, progress, {created}, updated_at, status, {withdrawn}",
+            f"jobs {join} job_owners AS mine ON mine.key = jobs.key AND mine.owner = ?",
+            created)
 
 
-def _job_record(row: tuple[str, str, str | None, str | None, float, float, str]) -> JobRecord:
-    key, task, outcome, progress, created_at, updated_at, status = row
+def _job_record(row: tuple[str, str, str | None, str | None, float, float, str, int]
+                ) -> JobRecord:
+    key, task, outcome, progress, created_at, updated_at, status, withdrawn = row
     return JobRecord(key, SolveTask.model_validate_json(task), created_at, updated_at,
                      None if outcome is None else decode(outcome),
                      None if progress is None else Progress.model_validate_json(progress),
-                     started=status == JobStatus.RUNNING)
+                     started=status == JobStatus.RUNNING, withdrawn=Withdrawal(withdrawn))
 
 
 @dataclass(frozen=True)
@@ -131,7 +148,12 @@ class SqliteStore:
                 f"{self.path} has store schema {version}; this build reads {_SCHEMA_VERSION}. "
                 "Point OPTIREMAT_DATA_DIR elsewhere or delete the file."
             )
-        if 0 < version < _SCHEMA_VERSION:
+        if version == 2:  # submissions gain their withdrawal; jobs owned by nobody, ANONYMOUS
+            db.execute("ALTER TABLE job_owners ADD COLUMN cancelled INTEGER NOT NULL DEFAULT 0")
+            db.execute("INSERT INTO job_owners (owner, key, created_at) SELECT ?, key, "
+                       "created_at FROM jobs WHERE key NOT IN (SELECT key FROM job_owners)",
+                       (ANONYMOUS,))
+        elif 0 < version < _SCHEMA_VERSION:
             # Answers and jobs are a cache of what the solver computes: start afresh.
             log.warning("%s has store schema %d; starting it afresh as schema %d",
                         self.path, version, _SCHEMA_VERSION)
@@ -205,43 +227,66 @@ class SqliteStore:
 
     # ---- jobs ---------------------------------------------------------------
 
-    def get_job(self, key: str) -> JobRecord | None:
+    def get_job(self, key: str, owner: str | None = None) -> JobRecord | None:
+        columns, source, _ = _seen_by(owner)
         with self._lock:
-            row = self._db.execute(f"SELECT {_JOB_COLUMNS} FROM jobs WHERE key = ?",
-                                   (key,)).fetchone()
+            row = self._db.execute(f"SELECT {columns} FROM {source} WHERE jobs.key = ?",
+                                   (ANONYMOUS if owner is None else owner, key)).fetchone()
             if row is None:
                 return None
             self._used["jobs", key] = time.time()
         return _job_record(row)
 
-    def add_owner(self, job: JobRecord, owner: str) -> None:
+    def submit(self, key: str, owner: str) -> None:
         with self._transaction() as db:
-            db.execute("INSERT OR IGNORE INTO job_owners (owner, key, created_at) "
-                       "VALUES (?, ?, ?)", (owner, job.key, job.created_at))
+            db.execute("INSERT INTO job_owners (owner, key, created_at) VALUES (?, ?, ?) "
+                       "ON CONFLICT (owner, key) DO UPDATE SET created_at = "
+                       "excluded.created_at, cancelled = 0 WHERE cancelled != 0",
+                       (owner, key, time.time()))
 
-    def owns(self, owner: str, key: str) -> bool:
+    def withdraw(self, key: str, owner: str | None) -> bool:
+        with self._transaction() as db:
+            db.execute(f"UPDATE job_owners SET cancelled = {Withdrawal.LEFT} WHERE key = ? "
+                       f"AND cancelled = {Withdrawal.NONE}"
+                       + ("" if owner is None else " AND owner = ?"),
+                       (key,) if owner is None else (key, owner))
+            return self._wanted(db, key)
+
+    def stopped_for(self, key: str, owner: str | None) -> None:
+        with self._transaction() as db:
+            db.execute(f"UPDATE job_owners SET cancelled = {Withdrawal.STOPPED} WHERE key = ? "
+                       f"AND cancelled = {Withdrawal.LEFT}"
+                       + ("" if owner is None else " AND owner = ?"),
+                       (key,) if owner is None else (key, owner))
+
+    def wanted(self, key: str) -> bool:
         with self._lock:
-            row = self._db.execute("SELECT 1 FROM job_owners WHERE owner = ? AND key = ?",
-                                   (owner, key)).fetchone()
-        return row is not None
+            return self._wanted(self._db, key)
+
+    @staticmethod
+    def _wanted(db: sqlite3.Connection, key: str) -> bool:
+        return db.execute("SELECT 1 FROM job_owners WHERE key = ? AND cancelled = 0",
+                          (key,)).fetchone() is not None
 
     def list_jobs(self, owner: str | None, status: JobStatus | None, after: Position | None,
                   limit: int) -> tuple[list[JobRecord], Position | None]:
-        where: list[str] = ["1"]
-        args: list[object] = []
-        if owner is not None:
-            where.append("key IN (SELECT key FROM job_owners WHERE owner = ?)")
-            args.append(owner)
+        columns, source, order = _seen_by(owner)
+        args: list[object] = [ANONYMOUS if owner is None else owner]
+        where = ["1"]
         if status is not None:
-            where.append("status = ?")
+            # job_status in SQL: what the submission shows (runs.shows_run)
+            where.append(f"(CASE WHEN coalesce(mine.cancelled, 0) = {Withdrawal.NONE} OR "
+                         f"(mine.cancelled = {Withdrawal.STOPPED} AND status NOT IN "
+                         f"('{JobStatus.QUEUED}', '{JobStatus.RUNNING}')) THEN status "
+                         f"ELSE '{JobStatus.CANCELLED}' END) = ?")
             args.append(status)
         if after is not None:
-            where.append("(created_at, key) < (?, ?)")
+            where.append(f"({order}, jobs.key) < (?, ?)")
             args += after
         with self._lock:
             rows = self._db.execute(
-                f"SELECT {_JOB_COLUMNS} FROM jobs WHERE {' AND '.join(where)} "
-                "ORDER BY created_at DESC, key DESC LIMIT ?", (*args, limit + 1)).fetchall()
+                f"SELECT {columns} FROM {source} WHERE {' AND '.join(where)} "
+                f"ORDER BY {order} DESC, jobs.key DESC LIMIT ?", (*args, limit + 1)).fetchall()
         jobs = [_job_record(row) for row in rows[:limit]]
         more = len(rows) > limit
         return jobs, (jobs[-1].created_at, jobs[-1].key) if more else None

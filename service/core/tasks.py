@@ -13,6 +13,7 @@ import hashlib
 import json
 import time
 from collections.abc import Callable
+from enum import StrEnum
 from functools import cache
 from importlib.metadata import PackageNotFoundError, version
 from typing import Annotated, Literal, Protocol
@@ -83,6 +84,14 @@ class BudgetRangeTask(_Task):
     def time_limit_s(self) -> float:
         # min_feasible_budget runs CP-SAT under SolveOptions' default time limit
         return SolveOptions().time_limit_s
+
+
+class Lane(StrEnum):
+    """Where a run waits for a worker: workers take sync runs first, and some take
+    nothing else (``fair_queue``; in cluster mode, RQ queues named per lane)."""
+
+    SYNC = "sync"  # a client waits on it: POST /v1/solve, a frontier's points and range
+    BACKGROUND = "background"  # a job
 
 
 Task = Annotated[SolveTask | BudgetRangeTask, Field(discriminator="kind")]

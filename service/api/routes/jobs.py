@@ -11,6 +11,7 @@ from optiremat.service.api.deps import (
     FrontDep,
     SettingsDep,
     cap_time_limit,
+    client_of,
     limit_rate,
     parse_body,
     request_body,
@@ -52,7 +53,7 @@ async def submit_job(request: Request, response: Response, settings: SettingsDep
     body = await parse_body(request, SolveRequest, await request.body())
     options = cap_time_limit(body.options, settings.job_time_limit_s)
     job = await front.submit_job(body.graph, body.budget_bytes, options,
-                                 owner=request.state.owner)
+                                 owner=request.state.owner, client=client_of(request))
     response.headers["Location"] = f"/v1/jobs/{job.id}"
     if job.status == JobStatus.SUCCEEDED:
         response.status_code = 200

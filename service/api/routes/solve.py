@@ -11,11 +11,13 @@ from optiremat.service.api.deps import (
     FrontDep,
     SettingsDep,
     cap_time_limit,
+    client_of,
     limit_rate,
     parse_body,
     request_body,
     require_api_key,
 )
+from optiremat.service.api.disconnect import unless_disconnected
 from optiremat.service.api.models import SolveRequest
 from optiremat.service.api.problems import problem_responses, raise_for_outcome
 from optiremat.service.core.outcome import Solved
@@ -36,7 +38,8 @@ async def solve(request: Request, settings: SettingsDep, front: FrontDep) -> Res
 
     ``options.time_limit_s`` is capped at the server's ``OPTIREMAT_SYNC_TIME_LIMIT_S``;
     use ``/v1/jobs`` for longer solves. Answers are cached by request hash and
-    identical concurrent requests share one solve.
+    identical concurrent requests share one solve, which stops when every client
+    waiting on it has hung up.
     """
     raw = await request.body()
     # A body seen before (byte for byte) maps to its request hash: answer from the
@@ -47,8 +50,12 @@ async def solve(request: Request, settings: SettingsDep, front: FrontDep) -> Res
         await limit_rate(request)  # answers from the store above are not counted
         body = await parse_body(request, SolveRequest, raw)
         options = cap_time_limit(body.options, settings.sync_time_limit_s)
-        outcome = await front.solve(body.graph, body.budget_bytes, options,
-                                    body_digest=body_digest)
+        answer = await unless_disconnected(request, front.solve(
+            body.graph, body.budget_bytes, options, body_digest=body_digest,
+            client=client_of(request)))
+        if isinstance(answer, Response):  # the client hung up: the solve was let go
+            return answer
+        outcome = answer
     raise_for_outcome(outcome)
     assert isinstance(outcome, Solved)
     # The stored bytes, as they are: every client gets the identical answer.
