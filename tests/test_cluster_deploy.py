@@ -113,11 +113,18 @@ def test_workers_outlast_the_longest_solve_on_shutdown() -> None:
     assert worker["terminationGracePeriodSeconds"] > longest
     compose = yaml.safe_load((DOCKER / "compose.yaml").read_text())
     assert int(compose["services"]["worker"]["stop_grace_period"].rstrip("s")) > longest
+    # sync-only workers solve no longer than the sync cap
+    longest_sync = float(settings["OPTIREMAT_SYNC_TIME_LIMIT_S"]) + JOB_TIMEOUT_MARGIN_S
+    sync = resources("Deployment")["optiremat-sync-worker"]["spec"]["template"]["spec"]
+    assert sync["terminationGracePeriodSeconds"] > longest_sync
+    assert sync["containers"][0]["args"] == ["worker", "--sync-only"]
+    sync_service = compose["services"]["sync-worker"]
+    assert int(sync_service["stop_grace_period"].rstrip("s")) > longest_sync
 
 
 def test_deployments_have_probes_resources_and_run_unprivileged() -> None:
     deployments = resources("Deployment")
-    assert set(deployments) == {"optiremat-api", "optiremat-worker"}
+    assert set(deployments) == {"optiremat-api", "optiremat-worker", "optiremat-sync-worker"}
     for deployment in deployments.values():
         pod = deployment["spec"]["template"]["spec"]
         assert pod["securityContext"]["runAsNonRoot"]
@@ -144,14 +151,15 @@ def test_deployments_have_probes_resources_and_run_unprivileged() -> None:
 def test_compose_runs_redis_with_a_volume_an_api_and_workers() -> None:
     compose = yaml.safe_load((DOCKER / "compose.yaml").read_text())
     services = compose["services"]
-    assert set(services) == {"redis", "api", "worker"}
+    assert set(services) == {"redis", "api", "worker", "sync-worker"}
     assert "redis-data:/data" in services["redis"]["volumes"] and "redis-data" in compose[
         "volumes"]
     assert "--appendonly" in services["redis"]["command"]
     assert redis_bound(services["redis"]["command"]) == (1 << 30, "volatile-ttl")
-    for name in ("api", "worker"):
+    for name in ("api", "worker", "sync-worker"):
         assert services[name]["environment"]["OPTIREMAT_REDIS_URL"] == "redis://redis:6379/0"
     assert services["worker"]["command"] == ["worker"]
+    assert services["sync-worker"]["command"] == ["worker", "--sync-only"]
 
 
 def apt_mirror(apt_dir: Path) -> subprocess.CompletedProcess[str]:

@@ -49,7 +49,8 @@ def _not_found(job_id: str) -> HTTPProblem:
 async def submit_job(request: Request, response: Response, settings: SettingsDep,
                      front: FrontDep) -> Job:
     """Queue the solve; ``Location`` names the job. Submitting the same request again
-    returns the same job (a failed or cancelled one is started again)."""
+    returns the same job (a failed or cancelled one is started again); each API key
+    has its own submission of it (its ``created_at``, its cancel)."""
     body = await parse_body(request, SolveRequest, await request.body())
     options = cap_time_limit(body.options, settings.job_time_limit_s)
     job = await front.submit_job(body.graph, body.budget_bytes, options,
@@ -106,9 +107,11 @@ async def get_job(job_id: str, request: Request, front: FrontDep) -> Job:
     summary="Cancel a job",
 )
 async def cancel_job(job_id: str, request: Request, front: FrontDep) -> Job:
-    """A queued job is dropped; a running solve stops and the job keeps the best plan
-    found so far as its solution. A finished job is returned unchanged. As for GET,
-    another key's job is not found."""
+    """Withdraw this key's submission. When nothing else wants the solve (another
+    key's submission, a client waiting on the same request), a queued job is dropped
+    and a running solve stops, the job keeping the best plan found so far as its
+    solution; else the solve goes on for them and this key's job is cancelled at once.
+    A finished job is returned unchanged. As for GET, another key's job is not found."""
     job = await front.cancel_job(job_id, request.state.owner)
     if job is None:
         raise _not_found(job_id)
