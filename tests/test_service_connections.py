@@ -14,7 +14,7 @@ from collections.abc import Iterator
 import httpx
 import pytest
 
-from tests.service_harness import Server, running_server
+from tests.service_harness import Server, metric, running_server
 
 HEADER_TIMEOUT_S = 1.0
 KEEP_ALIVE_S = 1.0
@@ -63,6 +63,10 @@ def status_headers_body(response: bytes) -> tuple[int, dict[str, str], bytes]:
     return int(lines[0].split()[1]), headers, body
 
 
+def turned_away(client: httpx.Client, reason: str) -> float:
+    return metric(client, f'optiremat_connections_turned_away_total{{reason="{reason}"}}')
+
+
 def closed_within(sock: socket.socket) -> tuple[bytes, float]:
     started = time.monotonic()
     data = read_until_closed(sock)
@@ -87,6 +91,8 @@ def test_headers_that_stop_halfway_are_answered_408_at_the_deadline(server: Serv
     assert status == 408 and headers["content-type"] == "application/problem+json"
     assert "OPTIREMAT_HEADER_TIMEOUT_S" in json.loads(body)["detail"]
     assert seconds <= HEADER_TIMEOUT_S / 2 + SLACK_S
+    with server.client() as client:
+        assert turned_away(client, "header_timeout") >= 1
 
 
 def test_an_idle_kept_alive_connection_is_closed_and_a_stalled_second_request_too(
@@ -122,6 +128,9 @@ def test_idle_sockets_past_the_limit_make_room_and_healthz_answers(server: Serve
     lines = [r for r in server.log_records() if r["msg"].startswith("connection limit")]
     assert lines and lines[0]["level"] == "warning"
     assert lines[0]["max_connections"] == MAX_CONNECTIONS and lines[0]["closed_idle"] >= 1
+    with server.client() as client:
+        assert turned_away(client, "longest_idle") >= 1
+        assert metric(client, "optiremat_open_connections") <= MAX_CONNECTIONS
 
 
 def test_past_the_limit_of_busy_connections_a_request_is_503_with_retry_after(
@@ -148,6 +157,8 @@ def test_past_the_limit_of_busy_connections_a_request_is_503_with_retry_after(
             sock.close()
     time.sleep(0.3)
     assert httpx.post(f"{server.url}/v1/solve", json={}, timeout=5).status_code == 422
+    with server.client() as client:
+        assert turned_away(client, "over_limit") >= 1
 
 
 def test_a_malformed_request_line_is_a_problem_not_plain_text(server: Server) -> None:

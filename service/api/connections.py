@@ -37,6 +37,7 @@ from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from optiremat.service.api.problems import PROBLEM_MEDIA_TYPE, problem_body
 from optiremat.service.core.config import Settings
+from optiremat.service.core.metrics import Metrics
 from optiremat.solver.wire import INVALID_REQUEST
 
 log = logging.getLogger("optiremat.service")
@@ -84,6 +85,7 @@ class GuardedH11Protocol(H11Protocol):
     header_timeout_s: ClassVar[float]
     max_connections: ClassVar[int]
     limit_log: ClassVar[_LimitLog]
+    metrics: ClassVar[Metrics]
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -96,9 +98,12 @@ class GuardedH11Protocol(H11Protocol):
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
         self._waiting_since = time.monotonic()
+        self.metrics.open_connections.set(len(self.connections))
         if len(self.connections) > self.max_connections:
             idle = self._longest_idle()
             self.limit_log.record(refused=idle is None, limit=self.max_connections)
+            self.metrics.connections_turned_away.labels(
+                reason="over_limit" if idle is None else "longest_idle").inc()
             if idle is None:
                 self._over_limit()
             else:
@@ -149,6 +154,7 @@ class GuardedH11Protocol(H11Protocol):
         self._header_deadline = None
         if self.transport.is_closing() or self.conn.their_state is not h11.IDLE:
             return
+        self.metrics.connections_turned_away.labels(reason="header_timeout").inc()
         if self._partial:  # a client that started a request hears why it ends
             self.transport.write(_raw_response(
                 408, "Request Timeout", "Request timeout",
@@ -177,6 +183,7 @@ class GuardedH11Protocol(H11Protocol):
         self._disarm_header_deadline()
         self._waiting_since = None
         super().connection_lost(exc)
+        self.metrics.open_connections.set(len(self.connections))
 
     # ---- protocol errors as problems ---------------------------------------
 
@@ -188,10 +195,12 @@ class GuardedH11Protocol(H11Protocol):
         self.transport.close()
 
 
-def guarded_protocol(settings: Settings) -> type[GuardedH11Protocol]:
-    """The protocol class for ``uvicorn.Config(http=...)`` with these settings."""
+def guarded_protocol(settings: Settings, metrics: Metrics) -> type[GuardedH11Protocol]:
+    """The protocol class for ``uvicorn.Config(http=...)`` with these settings, counting
+    in ``metrics``."""
     return type("OptirematH11Protocol", (GuardedH11Protocol,), {
         "header_timeout_s": settings.header_timeout_s,
         "max_connections": settings.max_connections,
         "limit_log": _LimitLog(),
+        "metrics": metrics,
     })

@@ -116,7 +116,7 @@ def serve(settings: Settings) -> None:
         log_config=None,
         access_log=False,
         # h11 with a header deadline and a connection limit (api/connections.py)
-        http=guarded_protocol(settings),
+        http=guarded_protocol(settings, app.state.metrics),
         timeout_keep_alive=settings.keep_alive_timeout_s,  # type: ignore[arg-type]
         proxy_headers=bool(settings.forwarded_allow_ips.strip()),
         forwarded_allow_ips=settings.forwarded_allow_ips.strip() or None,

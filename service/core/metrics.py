@@ -46,6 +46,16 @@ class Metrics:
             "Runs stopped because every client waiting on them hung up and no job wanted "
             "them", registry=r,
         )
+        self.open_connections = Gauge(
+            "optiremat_open_connections", "HTTP connections open", registry=r,
+        )
+        self.connections_turned_away = Counter(
+            "optiremat_connections_turned_away",
+            "Connections closed or refused: header_timeout (request line and headers late), "
+            "longest_idle (closed to make room past OPTIREMAT_MAX_CONNECTIONS), over_limit "
+            "(answered 503: every connection had a request in flight)",
+            ["reason"], registry=r,
+        )
         self.queue_depth = Gauge(
             "optiremat_queue_depth", "Solver tasks waiting for a free worker", registry=r,
         )
