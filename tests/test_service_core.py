@@ -32,7 +32,8 @@ from optiremat.service.core.outcome import (
     reusable,
     settled,
 )
-from optiremat.service.core.redis_store import RedisRateLimiter, RedisStore
+from optiremat.service.core.redis_limits import RedisRateLimiter
+from optiremat.service.core.redis_store import RedisStore
 from optiremat.service.core.rq_executor import RQExecutor
 from optiremat.service.core.runs import Withdrawal
 from optiremat.service.core.store import SqliteStore
@@ -279,12 +280,12 @@ def test_redis_lists_a_keys_jobs_newest_first_a_page_at_a_time(
     assert store.withdraw(runs[0].key, "beta")  # alpha's still wants it
     assert keys("beta", status=JobStatus.CANCELLED) == [runs[0].key]
     assert runs[0].key in keys("alpha", status=JobStatus.QUEUED)
-    assert not store.interest.unwanted(runs[0].key, store.run_key(runs[0].key))
+    assert not store.jobs.unwanted(runs[0].key)
     assert not store.withdraw(runs[0].key, "alpha") and not store.wanted(runs[0].key)
-    assert store.interest.unwanted(runs[0].key, store.run_key(runs[0].key))
-    store.interest.wait(runs[0].key, "a waiter elsewhere")  # a client on another replica
-    assert not store.interest.unwanted(runs[0].key, store.run_key(runs[0].key))
-    store.interest.stop_waiting(runs[0].key, "a waiter elsewhere")
+    assert store.jobs.unwanted(runs[0].key)
+    store.jobs.wait(runs[0].key, "a waiter elsewhere")  # a client on another replica
+    assert not store.jobs.unwanted(runs[0].key)
+    store.jobs.stop_waiting(runs[0].key, "a waiter elsewhere")
     store.submit(runs[0].key, "beta")  # submitted again: wanted again
     assert store.wanted(runs[0].key) and runs[0].key in keys("beta", status=JobStatus.QUEUED)
 
@@ -295,7 +296,7 @@ def test_redis_lists_a_keys_jobs_newest_first_a_page_at_a_time(
 
     store.redis.delete(store.run_key(runs[2].key))  # gone from Redis: gone from the index
     assert runs[2].key not in keys("alpha")
-    assert store.redis.zscore(store.jobs_key("alpha"), runs[2].key) is None
+    assert store.redis.zscore(store.jobs.jobs_key("alpha"), runs[2].key) is None
 
 
 # ---- rate limits and the queue's bound ------------------------------------------------

@@ -75,7 +75,7 @@ def _open(settings: Settings, metrics: Metrics) -> tuple[Executor, RateLimiter |
     shared through Redis by every replica in cluster mode."""
     per_minute = settings.rate_limit_per_minute
     if settings.redis_url:  # imports redis and rq only when used
-        from optiremat.service.core.redis_store import RedisRateLimiter
+        from optiremat.service.core.redis_limits import RedisRateLimiter
         from optiremat.service.core.rq_executor import RQExecutor
 
         cluster = RQExecutor.from_settings(settings, metrics)

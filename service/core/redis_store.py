@@ -1,4 +1,8 @@
-"""Cluster mode's state in Redis: runs, answers, graphs, cancel flags and the RQ queue.
+"""Cluster mode's state in Redis: runs, answers, graphs, cancel flags and the RQ queues.
+
+(Over 400 lines on purpose: every write to a run's record and to the queues it goes
+through is here, so that each check-and-write and its Lua script are read together.
+Jobs as owners see them are ``redis_jobs``, a run's fields ``redis_records``.)
 
 Blocking calls, shared by the API replicas (through ``asyncio.to_thread``) and the
 RQ workers; it imports neither FastAPI nor JAX. Outcomes are kept in the one codec
@@ -16,14 +20,10 @@ Keys (``PREFIX`` carries the layout's version):
   graph rather than once per budget;
 - ``{PREFIX}:cancel:{key}``: set to cancel; the worker solving ``key`` polls it;
 - ``{PREFIX}:graph_runs:{graph_hash}``: the unfinished runs that need the graph;
-- ``{PREFIX}:rate:{client}``: a client's rate-limit state (``RedisRateLimiter``),
+- ``{PREFIX}:rate:{client}``: a client's rate-limit state (``redis_limits``),
   gone once the client is back under its limit;
-- ``{PREFIX}:owners:{key}`` and ``{PREFIX}:waiting:{key}``: who wants the run
-  (``redis_interest``);
-- ``{PREFIX}:jobs`` and ``{PREFIX}:jobs:{owner}``: sorted sets of job keys by
-  ``created_at``, all jobs and one API key's id's submissions, for ``GET /v1/jobs``;
-  trimmed of what is older than ``ttl_s`` as they grow, and of what has gone from
-  Redis as they are read.
+- ``{PREFIX}:owners:{key}``, ``{PREFIX}:waiting:{key}``, ``{PREFIX}:jobs`` and
+  ``{PREFIX}:jobs:{owner}``: who wants the run, and the job listings (``redis_jobs``).
 
 Bounds: what is finished expires ``ttl_s`` after its last use (a read renews an
 answer's or a finished run's lifetime), and Redis' ``maxmemory`` with
@@ -41,14 +41,12 @@ them; a worker takes sync runs before jobs, and ``--sync-only`` ones nothing els
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import math
 import time
 import uuid
-from collections.abc import Mapping
 from dataclasses import dataclass, replace
-from typing import Any, cast
+from typing import Any
 
 from redis import Redis
 from redis.exceptions import RedisError, WatchError
@@ -66,7 +64,6 @@ from rq.results import Result
 from rq.serializers import JSONSerializer
 
 from optiremat.service.core.errors import Unavailable
-from optiremat.service.core.limits import Gcra
 from optiremat.service.core.outcome import (
     Answer,
     Cancelled,
@@ -77,20 +74,24 @@ from optiremat.service.core.outcome import (
     is_answer,
     reusable,
 )
-from optiremat.service.core.redis_interest import RunInterest
-from optiremat.service.core.runs import ANONYMOUS, JobRecord, Live, Position
-from optiremat.service.core.tasks import TASKS, Lane, SolveTask, Task, solver_version
+from optiremat.service.core.redis_jobs import RedisJobs
+from optiremat.service.core.redis_records import (
+    PREFIX,
+    RunRecord,
+    run_key,
+    run_record,
+    text,
+)
+from optiremat.service.core.runs import JobRecord, Live, Position
+from optiremat.service.core.tasks import Lane, Task, solver_version
 from optiremat.solver.wire import STORE_UNAVAILABLE, JobStatus, Progress
 
 log = logging.getLogger("optiremat.service")
-# 2: one outcome codec for both stores, runs keyed by their task (1 had its own codec)
-PREFIX = "optiremat:v2"
 # The solver stops at its own time limit; the queue's job timeout leaves this much on
 # top for loading the graph, building the model and checking the plan, so a long
 # solve ends with its incumbent instead of being killed.
 JOB_TIMEOUT_MARGIN_S = 120
 TASK_FUNCTION = "optiremat.service.core.rq_worker.run_job"
-_LIST_SCAN = 10
 _LIVE = (RQStatus.QUEUED, RQStatus.STARTED, RQStatus.SCHEDULED, RQStatus.DEFERRED,
          RQStatus.CREATED, RQStatus.READY_TO_ENQUEUE)
 
@@ -105,52 +106,11 @@ def job_timeout_s(time_limit_s: float) -> int:
 
 
 @dataclass(frozen=True)
-class RunRecord:
-    key: str
-    task: Task
-    job: bool
-    generation: str
-    created_at: float
-    updated_at: float
-    progress: Progress | None
-    outcome: Outcome | None
-    started: bool = False  # a worker took it (it may since have died and been requeued)
-
-    def as_job(self) -> JobRecord:
-        assert isinstance(self.task, SolveTask)
-        return JobRecord(self.key, self.task, self.created_at, self.updated_at, self.outcome,
-                         self.progress, self.started)
-
-
-@dataclass(frozen=True)
 class Usage:
     used_bytes: int
     max_bytes: int  # maxmemory; 0 when unbounded
     evicted_keys: int  # past maxmemory, since Redis started
     expired_keys: int  # past their TTL, since Redis started
-
-
-def _text(value: bytes | str) -> str:
-    return value.decode() if isinstance(value, bytes) else value
-
-
-def _record(key: str, raw: Mapping[Any, Any]) -> RunRecord | None:
-    fields = {_text(k): _text(v) for k, v in raw.items()}
-    if "generation" not in fields:
-        return None  # no run, or a stray write to an expired one
-    progress = fields.get("progress")
-    outcome = fields.get("outcome")
-    return RunRecord(
-        key=key,
-        task=TASKS.validate_json(fields["task"]),
-        job=fields.get("job") == "1",
-        generation=fields["generation"],
-        created_at=float(fields["created_at"]),
-        updated_at=float(fields["updated_at"]),
-        progress=Progress.model_validate_json(progress) if progress else None,
-        outcome=None if outcome is None else decode(outcome),
-        started="started_at" in fields,
-    )
 
 
 # Lua keeps each check-and-write atomic: a run's outcome is written once, and only by
@@ -188,13 +148,11 @@ class RedisStore:
         self.retries = retries
         self.queues = {lane: Queue(queue_name(lane), connection=redis,
                                    serializer=JSONSerializer) for lane in Lane}
-        self.interest = RunInterest(redis, PREFIX)
+        self.jobs = RedisJobs(redis, ttl_s)
         self._finish = redis.register_script(_FINISH)
         self._update_live = redis.register_script(_UPDATE_LIVE)
 
-    @staticmethod
-    def run_key(key: str) -> str:
-        return f"{PREFIX}:run:{key}"
+    run_key = staticmethod(run_key)
 
     @staticmethod
     def answer_key(key: str) -> str:
@@ -211,15 +169,6 @@ class RedisStore:
     @staticmethod
     def graph_runs_key(graph_hash: str) -> str:
         return f"{PREFIX}:graph_runs:{graph_hash}"
-
-    @staticmethod
-    def jobs_key(owner: str | None = None) -> str:
-        return f"{PREFIX}:jobs" if owner is None else f"{PREFIX}:jobs:{owner}"
-
-    def _index(self, pipe: Any, owner: str | None, key: str, created_at: float) -> None:
-        index = self.jobs_key(owner)
-        pipe.zadd(index, {key: created_at})
-        pipe.zremrangebyscore(index, "-inf", time.time() - self.ttl_s)
 
     def queued(self) -> int:
         """Runs waiting for a worker, in every lane."""
@@ -238,102 +187,44 @@ class RedisStore:
         self.redis.ping()
 
     def get_answer(self, key: str) -> Answer | None:
-        text = self.redis.getex(self.answer_key(key), ex=self.ttl_s)  # a use renews it
-        if text is None:
+        stored = self.redis.getex(self.answer_key(key), ex=self.ttl_s)  # a use renews it
+        if stored is None:
             return None
-        answer = decode(text)
+        answer = decode(stored)
         assert is_answer(answer)
         return answer
 
     def get_run(self, key: str) -> RunRecord | None:
-        return _record(key, self.redis.hgetall(self.run_key(key)))
+        return run_record(key, self.redis.hgetall(self.run_key(key)))
+
+    # the jobs as their owners see them (redis_jobs)
 
     def get_job(self, key: str, owner: str | None = None) -> JobRecord | None:
-        record = self.get_run(key)
-        if record is None or not record.job:
-            return None
-        submission = self.interest.submission(key, ANONYMOUS if owner is None else owner)
-        if owner is not None and submission is None:
-            return None
-        if record.outcome is not None:  # a use renews a finished job's lifetime
-            for renewed in (self.run_key(key), self.interest.owners_key(key)):
-                self.redis.expire(renewed, self.ttl_s)
-        job = record.as_job()
-        if submission is None:
-            return job
-        return replace(job, withdrawn=submission.withdrawn,
-                       created_at=job.created_at if owner is None else submission.created_at)
+        return self.jobs.get_job(key, owner)
 
     def submit(self, key: str, owner: str) -> None:
-        record = self.get_run(key)
-        assert record is not None, "submitted after the run was recorded"
-        submission = self.interest.submit(key, owner, unfinished=record.outcome is None,
-                                          ttl_s=self.ttl_s)
-        if owner != ANONYMOUS:
-            with self.redis.pipeline() as pipe:
-                self._index(pipe, owner, key, submission.created_at)
-                pipe.execute()
+        self.jobs.submit(key, owner)
 
     def withdraw(self, key: str, owner: str | None) -> bool:
-        return self.interest.withdraw(key, owner)
+        return self.jobs.withdraw(key, owner)
 
     def stopped_for(self, key: str, owner: str | None) -> None:
-        self.interest.stopped_for(key, owner)
+        self.jobs.stopped_for(key, owner)
 
     def wanted(self, key: str) -> bool:
-        return self.interest.wanted(key)
+        return self.jobs.wanted(key)
 
     def list_jobs(self, owner: str | None, status: JobStatus | None, after: Position | None,
                   limit: int) -> tuple[list[JobRecord], Position | None]:
-        """As the protocol says; a page stops short after ``_LIST_SCAN`` times ``limit``
-        entries looked at, so that a rare status costs pages, not one long request."""
-        index = self.jobs_key(owner)
-        top = "+inf" if after is None else after[0]
-        jobs: list[JobRecord] = []
-        gone: list[str] = []
-        seen = 0
-        position: Position | None = None
-        while len(jobs) < limit and seen < _LIST_SCAN * limit:
-            entries = cast(list[tuple[bytes, float]], self.redis.zrevrangebyscore(
-                index, top, "-inf", start=seen, num=2 * limit, withscores=True))
-            if not entries:
-                position = None
-                break
-            seen += len(entries)
-            with self.redis.pipeline(transaction=False) as pipe:
-                for member, _ in entries:
-                    pipe.hgetall(self.run_key(_text(member)))
-                raws = pipe.execute()
-            submissions = self.interest.submissions([_text(m) for m, _ in entries],
-                                                    ANONYMOUS if owner is None else owner)
-            for (member, score), raw, submission in zip(entries, raws, submissions,
-                                                        strict=True):
-                key = _text(member)
-                if after is not None and (score, key) >= after:
-                    continue  # on the last page already
-                position = (score, key)
-                record = _record(key, raw)
-                if record is None or not record.job:
-                    gone.append(key)
-                    continue
-                job = record.as_job()
-                if submission is not None:
-                    job = replace(job, withdrawn=submission.withdrawn, created_at=score)
-                if status is None or job.status == status:
-                    jobs.append(job)
-                    if len(jobs) == limit:
-                        break
-        if gone:
-            self.redis.zrem(index, *gone)
-        return jobs, position
+        return self.jobs.list_jobs(owner, status, after, limit)
 
     def outcome(self, key: str) -> Outcome | None:
-        text = self.redis.hget(self.run_key(key), "outcome")
-        return None if text is None else decode(text)
+        encoded = self.redis.hget(self.run_key(key), "outcome")
+        return None if encoded is None else decode(encoded)
 
     def get_graph(self, graph_hash: str) -> str | None:
-        text = self.redis.get(self.graph_key(graph_hash))
-        return None if text is None else _text(text)
+        graph_json = self.redis.get(self.graph_key(graph_hash))
+        return None if graph_json is None else text(graph_json)
 
     def cancel_requested(self, key: str) -> bool:
         return bool(self.redis.exists(self.cancel_key(key)))
@@ -367,12 +258,12 @@ class RedisStore:
             while True:
                 try:
                     pipe.watch(run_key)
-                    record = _record(key, pipe.hgetall(run_key))
+                    record = run_record(key, pipe.hgetall(run_key))
                     if record is not None and reusable(record.outcome):
                         if job and not record.job:
                             pipe.multi()
                             pipe.hset(run_key, "job", "1")
-                            self._index(pipe, None, key, record.created_at)
+                            self.jobs.index(pipe, None, key, record.created_at)
                             pipe.execute()
                             record = replace(record, job=True)
                         return record, False
@@ -388,7 +279,7 @@ class RedisStore:
                         **({"outcome": encode(cached)} if cached is not None else {}),
                     })
                     if record.job:
-                        self._index(pipe, None, key, now)
+                        self.jobs.index(pipe, None, key, now)
                     if cached is None:  # unfinished: no expiry, and it holds its graph
                         pipe.sadd(self.graph_runs_key(task.graph_hash), key)
                         pipe.persist(self.graph_key(task.graph_hash))
@@ -488,7 +379,7 @@ class RedisStore:
     def eviction_policy(self) -> str | None:
         """Redis' maxmemory-policy (None when CONFIG says nothing)."""
         policy = next(iter(self.redis.config_get("maxmemory-policy").values()), None)
-        return None if policy is None else _text(policy)
+        return None if policy is None else text(policy)
 
     def worker_count(self) -> int:
         from rq import Worker
@@ -510,53 +401,17 @@ class RedisStore:
         finished already or was restarted meanwhile (the answer is cached anyway:
         it is the same answer)."""
         key, graph_hash = run.key, run.task.graph_hash
-        text = encode(outcome)
-        answer = text if is_answer(outcome) else ""
+        encoded = encode(outcome)
+        answer = encoded if is_answer(outcome) else ""
         written = self._finish(
             keys=[self.run_key(key), self.answer_key(key), self.graph_key(graph_hash),
-                  self.graph_runs_key(graph_hash), self.interest.owners_key(key)],
-            args=[run.generation, text, time.time(), self.ttl_s,
+                  self.graph_runs_key(graph_hash), self.jobs.owners_key(key)],
+            args=[run.generation, encoded, time.time(), self.ttl_s,
                   progress.model_dump_json() if progress else "", answer, key],
         )
         if not written and answer:
             self.redis.set(self.answer_key(key), answer, ex=self.ttl_s, nx=True)
         return bool(written)
-
-
-# limits.Gcra.step on Redis' clock, so that every replica counts against one limit.
-# Times in microseconds; the key lives until its TAT has passed.
-_RATE = """
-local t = redis.call('TIME')
-local now = tonumber(t[1]) * 1000000 + tonumber(t[2])
-local tat = tonumber(redis.call('GET', KEYS[1]) or now)
-if tat < now then tat = now end
-local wait = tat - now - tonumber(ARGV[2])
-if wait > 0 then return wait end
-tat = tat + tonumber(ARGV[1])
-redis.call('SET', KEYS[1], tat, 'PX', math.ceil((tat - now) / 1000))
-return 0
-"""
-
-
-class RedisRateLimiter:
-    """``limits.RateLimiter`` shared by every API replica. Redis not answering lets the
-    request through: it will meet the same Redis and be answered 503."""
-
-    def __init__(self, redis: Redis, per_minute: int) -> None:
-        self._gcra = Gcra(per_minute)
-        self._script = redis.register_script(_RATE)
-
-    def _wait_s(self, client: str) -> float:
-        waited = self._script(keys=[f"{PREFIX}:rate:{client}"], args=[
-            round(self._gcra.interval_s * 1e6), round(self._gcra.tolerance_s * 1e6)])
-        return int(waited) / 1e6
-
-    async def wait_s(self, client: str) -> float:
-        try:
-            return await asyncio.to_thread(self._wait_s, client)
-        except RedisError as exc:
-            log.warning("rate limit not checked: Redis does not answer (%s)", exc)
-            return 0.0
 
 
 def _failure_reason(job: RQJob | None, retries: int) -> str:

@@ -160,7 +160,7 @@ class RQExecutor:
             return await self._wait(key, timeout_s, waiter)
         finally:
             with contextlib.suppress(RedisError):  # gone by itself in WAITER_TTL_MS
-                await asyncio.to_thread(self.store.interest.stop_waiting, key, waiter)
+                await asyncio.to_thread(self.store.jobs.stop_waiting, key, waiter)
 
     async def _wait(self, key: str, timeout_s: float | None, waiter: str) -> Outcome | None:
         now = time.monotonic()
@@ -172,7 +172,7 @@ class RQExecutor:
         while True:
             try:
                 if time.monotonic() >= renew_at:
-                    await asyncio.to_thread(self.store.interest.wait, key, waiter)
+                    await asyncio.to_thread(self.store.jobs.wait, key, waiter)
                     renew_at = time.monotonic() + _LIVE_CHECK_S
                 outcome = await asyncio.to_thread(self.store.outcome, key)
                 if outcome is None and time.monotonic() >= next_live_check:
@@ -200,7 +200,7 @@ class RQExecutor:
         await self._call(self.store.cancel, key)
 
     async def abandon(self, key: str) -> bool:
-        if not await self._call(self.store.interest.unwanted, key, self.store.run_key(key)):
+        if not await self._call(self.store.jobs.unwanted, key):
             return False
         await self.cancel(key)
         return True

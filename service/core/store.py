@@ -1,5 +1,8 @@
 """SQLite store for answers and jobs: the embedded default's only state on disk.
 
+(Over 400 lines on purpose: the schema, every statement on it and the bounds that
+evict from it are read together.)
+
 Methods are blocking and thread-safe; the async layer calls them through
 ``asyncio.to_thread`` so a slow disk never stalls the event loop. Outcomes are
 kept in the one codec of ``optiremat.service.core.outcome``. Every write is one
