@@ -56,23 +56,8 @@ def solve(
     started = time.monotonic()
     options = resolve_options(options, overrides)
     check_budget(budget_bytes)
-    options = canonical_options(graph, options)
-    if (link_priced := collectives.priced(graph, options)) is not graph:
-        return collectives.report(graph, solve(link_priced, budget_bytes, options,
-                                               progress=progress, cancel=cancel, groups=groups))
-    if groups is None and nests(graph, resolve_memory(graph, options.memory), options):
-        return choose_groups(graph, budget_bytes, options, lambda g: solve(
-            graph, budget_bytes, lever_options(options, g), progress=progress, cancel=cancel,
-            groups=g))
-    view = BudgetView.of(graph, options.memory, groups)
-
-    def search(g: CostGraph, budget: int) -> Solution:
-        return _search_for(g, options, started, progress, cancel).solve(budget)
-
-    def least() -> int:
-        return _search_for(view.graph, options, started, None, cancel).min_budget()
-
-    return view.solve(graph, budget_bytes, search, least)
+    return BudgetSeries(graph, options, cancel, groups, progress=progress,
+                        started=started).solve(budget_bytes)
 
 
 def solve_from(
@@ -92,7 +77,11 @@ def solve_from(
 class BudgetSeries:
     """Solves of one graph at several budgets sharing one formulation and backend
     model, as a frontier needs: each ``solve`` has the full time limit and, like
-    ``solve_from``, starts from the plan it is given.
+    ``solve_from``, starts from the plan it is given. ``solve`` is a series of one.
+
+    The levers apply here, and only here, in this order: the links' price
+    (``collectives``), the layers nested in groups (``nesting``, one series per group
+    count), and the budget's view of the graph (``peak.BudgetView``).
 
     With offload each budget is a request of its own, answered as ``solve``
     answers it: an offload search takes no start (``optiremat.solver.search``),
@@ -102,12 +91,15 @@ class BudgetSeries:
 
     def __init__(
         self, graph: CostGraph, options: SolveOptions, cancel: threading.Event | None = None,
-        groups: Sequence[int] | None = None,
+        groups: Sequence[int] | None = None, *, progress: ProgressCallback | None = None,
+        started: float | None = None,
     ) -> None:
         self._options = canonical_options(graph, options)
         self._asked = graph  # what answers are reported on; the search runs on its price
         graph = self._graph = collectives.priced(graph, self._options)
         self._cancel = cancel
+        self._progress = progress
+        self._started = started  # the first solve's clock, if it started before this
         memory = resolve_memory(graph, self._options.memory)
         self._nested: dict[tuple[int, ...], BudgetSeries] | None = None
         if groups is None and nests(graph, memory, self._options):
@@ -127,19 +119,27 @@ class BudgetSeries:
             return choose_groups(self._graph, budget_bytes, self._options,
                                   lambda g: self._grouped(g).solve(budget_bytes, start))
         search = self._shared or self._search()
-        search.restart_clock(time.monotonic())
+        search.restart_clock(self._clock())
         return self._view.solve(self._graph, budget_bytes,
                                 lambda _, budget: search.solve(budget, start),
                                 search.min_budget)
 
+    def _clock(self) -> float:
+        """When the next solve started: ``started`` for the first, else now."""
+        started, self._started = self._started, None
+        return time.monotonic() if started is None else started
+
     def _search(self) -> Search | FoldedSearch:
-        return _search_for(self._view.graph, self._options, time.monotonic(), None, self._cancel)
+        # its clock restarts at each solve (_clock)
+        return _search_for(self._view.graph, self._options, time.monotonic(), self._progress,
+                           self._cancel)
 
     def _grouped(self, groups: tuple[int, ...]) -> BudgetSeries:
         assert self._nested is not None
         if groups not in self._nested:
             self._nested[groups] = BudgetSeries(
-                self._graph, lever_options(self._options, groups), self._cancel, groups)
+                self._graph, lever_options(self._options, groups), self._cancel, groups,
+                progress=self._progress)
         return self._nested[groups]
 
 
