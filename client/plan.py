@@ -18,7 +18,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import cached_property
-from typing import Any, ClassVar, Literal
+from typing import ClassVar, Literal
 
 import jax
 
@@ -32,11 +32,9 @@ from optiremat.client.schedule import schedule_advice
 from optiremat.client.step import lowered_peak
 from optiremat.solver.errors import OptirematError
 from optiremat.solver.graph import CostGraph
-from optiremat.solver.solution import Decision, Solution
+from optiremat.solver.solution import Decision, Solution, SolveOptions
+from optiremat.solver.solve import Solver
 from optiremat.solver.units import format_bytes
-
-# solve(graph, budget_bytes, **options) -> Solution: the local solver, or a server's.
-SolveFn = Callable[..., Solution]
 
 # Where offloaded residuals go: JAX's names for accelerator and pinned host memory.
 OFFLOAD_SRC, OFFLOAD_DST = "device", "pinned_host"
@@ -150,13 +148,13 @@ class Verification:
                 "shardings: on a mesh a plan prices what one device holds) is cautious too.")
 
 
-def names_form(traced: Traced, budget_bytes: int, options: dict,
-               solve_fn: SolveFn) -> NamesForm:
+def names_form(traced: Traced, budget_bytes: int, options: SolveOptions,
+               solve_fn: Solver) -> NamesForm:
     """The plan at ``budget_bytes`` solved untied on the graph of ``traced`` with every
     value named (``save_only_these_names`` semantics)."""
     tagged = tag_every_value(traced)
     extraction = graph_of_traced(trace(tagged, traced_args(traced), {}), names=True)
-    solution = solve_fn(extraction.graph, budget_bytes, **{**options, "tie": False})
+    solution = solve_fn(extraction.graph, budget_bytes, options.model_copy(update={"tie": False}))
 
     def named(decision: Decision) -> frozenset[str]:
         keys = extraction.graph.node_key
@@ -185,7 +183,7 @@ class Plan:
     graph: CostGraph
     solution: Solution
     traced: Traced = field(repr=False)
-    options: dict[str, Any] = field(default_factory=dict, repr=False)
+    options: SolveOptions = field(default_factory=SolveOptions, repr=False)  # as asked
     key_aliases: dict[str, frozenset[str]] = field(default_factory=dict, repr=False)
 
     # ---- predictions ------------------------------------------------------
@@ -372,7 +370,7 @@ class ResidualPlan(Plan):
 
     memory: ClassVar[Literal["peak", "residuals"]] = "residuals"
 
-    solve_fn: SolveFn | None = field(default=None, kw_only=True, repr=False, compare=False)
+    solve_fn: Solver | None = field(default=None, kw_only=True, repr=False, compare=False)
     _names: NamesForm | None = field(default=None, kw_only=True, repr=False)
 
     @property

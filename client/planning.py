@@ -23,13 +23,13 @@ from optiremat.client.plan import (
     Plan,
     PlanError,
     ResidualPlan,
-    SolveFn,
     names_form,
 )
 from optiremat.client.step import Step
 from optiremat.solver.graph import CostGraph
 from optiremat.solver.out_of_process import local_solve
 from optiremat.solver.solution import InfeasibleBudgetError, SolveOptions
+from optiremat.solver.solve import Solver
 from optiremat.solver.step import Memory
 from optiremat.solver.validation_message import validation_message
 
@@ -44,7 +44,7 @@ class PlanRequest:
     tie: bool  # decide per policy key (else per equation: residual plans only)
     refine: bool  # fit a peak plan to its own measured peak
     auto: dict[str, Any]  # budget="auto"'s keywords (client.budget)
-    options: dict[str, Any]  # solver.SolveOptions fields
+    options: SolveOptions  # validated here, once: every solve takes them as they are
     scopes: tuple[str, ...] = ()  # name scopes whose equations are the blocks (regions=)
 
     @classmethod
@@ -53,14 +53,17 @@ class PlanRequest:
         memory = Memory(options.pop("memory", Memory.PEAK))
         step = Step.of(options.pop("argnums", 0), options.pop("donate_argnums", ()))
         refine, scopes = options.pop("refine", True), options.pop("regions", None)
-        _check_options(options)
         return cls(budget=budget, memory=memory,
-                   step=step, tie=tie, refine=refine, auto=auto, options=options,
-                   scopes=_scopes(scopes, memory))
+                   step=step, tie=tie, refine=refine, auto=auto,
+                   options=_solve_options(options), scopes=_scopes(scopes, memory))
 
     @property
     def offload(self) -> bool:
-        return self.options.get("offload") is not None
+        return self.options.offload is not None
+
+    def tied(self, tie: bool = True) -> SolveOptions:
+        """The options of a solve tied by policy key (or, with ``tie=False``, not)."""
+        return self.options.model_copy(update={"tie": tie})
 
     def budget_bytes(self, traced: Traced, graph: CostGraph | None = None) -> int:
         """The budget in bytes (``"auto"`` sized for ``traced``; a residual budget's
@@ -130,17 +133,17 @@ def smallest_budget(fun: Callable, *args, **options) -> int:
     return 1  # a plan that holds nothing: no argument, no residual
 
 
-def _check_options(options: dict[str, Any]) -> None:
-    """Refuse a bad solver option before any tracing, in one line naming it (as the CLI
-    does), not in pydantic's many lines from inside the solve."""
+def _solve_options(options: dict[str, Any]) -> SolveOptions:
+    """The solver options, validated before any tracing; a bad one is refused in one
+    line naming it (as the CLI does), not in pydantic's many lines."""
     try:
-        SolveOptions(**options)
+        return SolveOptions(**options)
     except ValidationError as exc:
         raise ValueError(f"invalid option {validation_message(exc)}") from None
 
 
 def plan_for(fun: Callable, args: tuple, budget: int | str, tie: bool, options: dict[str, Any],
-             solve_fn: SolveFn) -> Plan:
+             solve_fn: Solver) -> Plan:
     """``optimize`` with the solve step given: ``RematClient`` passes the server's."""
     from optiremat.client.peak.planner import plan_peak
 
@@ -153,11 +156,11 @@ def plan_for(fun: Callable, args: tuple, budget: int | str, tie: bool, options: 
     return plan_residuals(traced, request, solve_fn, name=getattr(fun, "__qualname__", ""))
 
 
-def plan_residuals(traced: Traced, request: PlanRequest, solve_fn: SolveFn, *,
+def plan_residuals(traced: Traced, request: PlanRequest, solve_fn: Solver, *,
                    name: str = "") -> ResidualPlan:
     """The plan for the residuals of one ``jax.checkpoint`` around ``traced``'s function:
     tied, on its graph by policy key; untied, on its names graph equation by equation."""
-    options = dict(request.options)
+    options = request.options
     if not request.tie:
         names = names_form(traced, request.budget_bytes(traced), options, solve_fn)
         return ResidualPlan(names.graph, names.solution, traced, options, _names=names,
@@ -166,7 +169,7 @@ def plan_residuals(traced: Traced, request: PlanRequest, solve_fn: SolveFn, *,
     # requests keep the hashes they had before peak budgets existed.
     extraction = graph_of_traced(traced, name=name)
     budget_bytes = request.budget_bytes(traced, extraction.graph)
-    solution = solve_fn(extraction.graph, budget_bytes, tie=True, **options)
+    solution = solve_fn(extraction.graph, budget_bytes, request.tied())
     return ResidualPlan(extraction.graph, solution, traced, options,
                         key_aliases=extraction.key_aliases, solve_fn=solve_fn)
 

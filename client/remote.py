@@ -84,22 +84,25 @@ class RematClient:
 
     # ---- solving ------------------------------------------------------------
 
-    def solve(self, graph: CostGraph, budget: int | str, **options: Any) -> Solution:
+    def solve(self, graph: CostGraph, budget: int | str, options: SolveOptions | None = None,
+              **overrides: Any) -> Solution:
         """``POST /v1/solve``: the plan for ``graph`` within ``budget`` bytes.
 
-        ``options`` are SolveOptions fields; the server caps ``time_limit_s``
-        (use ``submit``/``wait`` for long solves). An infeasible budget raises
+        ``options``, with ``overrides`` (SolveOptions fields) on top, as
+        ``solver.solve.solve`` takes them (it is a ``solver.solve.Solver``); the server
+        caps ``time_limit_s`` (use ``submit``/``wait`` for long solves). An infeasible budget raises
         ``InfeasibleBudgetError`` naming the smallest feasible one, as locally.
         """
         budget_bytes = parse_bytes(budget)
-        body = self._solve_body(graph, budget_bytes, resolve_options(None, options))
+        body = self._solve_body(graph, budget_bytes, resolve_options(options, overrides))
         response = self._request("POST", "/v1/solve", body, budget_bytes)
         return Solution.model_validate_json(response.content)
 
-    def submit(self, graph: CostGraph, budget: int | str, **options: Any) -> Job:
+    def submit(self, graph: CostGraph, budget: int | str, options: SolveOptions | None = None,
+               **overrides: Any) -> Job:
         """``POST /v1/jobs``: start a background solve (or find the identical one)."""
         budget_bytes = parse_bytes(budget)
-        body = self._solve_body(graph, budget_bytes, resolve_options(None, options))
+        body = self._solve_body(graph, budget_bytes, resolve_options(options, overrides))
         return Job.model_validate_json(self._request("POST", "/v1/jobs", body).content)
 
     def job(self, job: Job | str) -> Job:
@@ -175,10 +178,11 @@ class RematClient:
         """
         from optiremat.client.planning import plan_for
 
-        def remote_solve(graph: CostGraph, budget_bytes: int, **opts: Any) -> Solution:
+        def remote_solve(graph: CostGraph, budget_bytes: int, options: SolveOptions, /
+                         ) -> Solution:
             if job:
-                return self.wait(self.submit(graph, budget_bytes, **opts), progress=progress)
-            return self.solve(graph, budget_bytes, **opts)
+                return self.wait(self.submit(graph, budget_bytes, options), progress=progress)
+            return self.solve(graph, budget_bytes, options)
 
         return plan_for(fun, args, budget, tie, options, remote_solve)
 

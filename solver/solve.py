@@ -13,7 +13,7 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import optiremat.solver.collectives as collectives
 from optiremat.solver.graph import CostGraph
@@ -29,8 +29,17 @@ if TYPE_CHECKING:
     from optiremat.solver.repeats import FoldedSearch
     from optiremat.solver.search import Search
 
-__all__ = ["ProgressCallback", "BudgetSeries", "max_useful_budget", "min_feasible_budget",
-           "resolve_options", "solve", "solve_from"]
+__all__ = ["ProgressCallback", "BudgetSeries", "Solver", "max_useful_budget",
+           "min_feasible_budget", "resolve_options", "solve", "solve_from"]
+
+
+class Solver(Protocol):
+    """What answers one solve request: ``solve`` here, ``out_of_process.local_solve`` (in
+    a child process where OR-Tools is unsafe), or a server (``RematClient.solve``). The
+    options come validated, once, by whoever took them from a user."""
+
+    def __call__(self, graph: CostGraph, budget_bytes: int, options: SolveOptions, /
+                 ) -> Solution: ...
 
 
 def solve(

@@ -21,9 +21,10 @@ from optiremat.client.peak.placement import Placement
 from optiremat.client.peak.refine import refined_solve
 from optiremat.client.peak.regions import Region
 from optiremat.client.peak.step_graph import traced_step_extraction
-from optiremat.client.plan import PeakPlan, PlanError, SolveFn
+from optiremat.client.plan import PeakPlan, PlanError
 from optiremat.client.schedule import ScheduleWarning, barriers_kept, schedule_advice
 from optiremat.solver.solution import InfeasibleBudgetError, Solution
+from optiremat.solver.solve import Solver
 
 if TYPE_CHECKING:
     from optiremat.client.planning import PlanRequest
@@ -39,7 +40,7 @@ def warn_if_unscheduled(regions: Sequence[Region]) -> None:
 
 
 def plan_peak(fun: Callable, traced: Traced, args: Sequence, request: PlanRequest,
-              solve_fn: SolveFn) -> PeakPlan:
+              solve_fn: Solver) -> PeakPlan:
     """The ``PeakPlan`` of ``request`` for ``fun``, traced at ``args`` as ``traced``."""
     if not request.tie:
         raise PlanError("peak plans are tied by policy key: pass tie=True, or plan "
@@ -49,10 +50,10 @@ def plan_peak(fun: Callable, traced: Traced, args: Sequence, request: PlanReques
     extracted = traced_step_extraction(traced, args, request.step,
                                        name=getattr(fun, "__qualname__", ""),
                                        name_inputs=request.offload, scopes=request.scopes)
-    graph, options = extracted.graph, dict(request.options)
+    graph, options = extracted.graph, request.tied()
 
     def solve_at(budget: int) -> Solution:
-        return solve_fn(graph, budget, tie=True, **options)
+        return solve_fn(graph, budget, options)
 
     placement = Placement(extracted.regions, extracted.differentiated, request.step,
                           name_inputs=request.offload, scopes=extracted.scopes)
