@@ -24,6 +24,7 @@ BODY_TIMEOUT_S = 2
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
     yield from running_server(tmp_path_factory, workers="1", max_body_bytes=str(MAX_BODY),
                               max_graph_nodes="300", max_graph_values="600",
+                              max_graph_edges=str(EDGE_CAP),
                               body_timeout_s=str(BODY_TIMEOUT_S))
 
 
@@ -247,7 +248,7 @@ def test_the_error_log_line_carries_the_request_id(server: Server) -> None:
 
 # ---- the early caps read keys as JSON does ----------------------------------
 
-NODE_CAP, VALUE_CAP = 300, 600  # the server fixture's
+NODE_CAP, VALUE_CAP, EDGE_CAP = 300, 600, 1200  # the server fixture's
 
 
 def capped_column_entry(column: str) -> Any:
@@ -263,10 +264,10 @@ def capped_column_entry(column: str) -> Any:
 
 
 def capped_columns() -> list[tuple[str, int]]:
-    """(column, entries one past its cap): every per-node and per-value column."""
+    """(column, entries one past its cap): every per-node, per-value and per-use column."""
     from optiremat.service.api.deps import _CAP_OF  # the table the server counts by
-    return [(column, (NODE_CAP if what == "nodes" else VALUE_CAP) + extra + 1)
-            for column, (what, _, _, extra) in _CAP_OF.items()]
+    caps = {"nodes": NODE_CAP, "values": VALUE_CAP, "value references": EDGE_CAP}
+    return [(column, caps[what] + extra + 1) for column, (what, _, _, extra) in _CAP_OF.items()]
 
 
 def escaped(key: str) -> str:
@@ -287,8 +288,11 @@ def test_every_capped_column_is_refused_before_the_parse_however_its_key_is_spel
     with server.client() as client:
         problem = assert_problem(client.post("/v1/solve", content=raw, headers=headers), 413,
                                  ["at least", "OPTIREMAT_MAX_GRAPH_"])
-        assert ("nodes" if column.startswith(("node", "input", "output")) else "values") \
-            in problem["detail"]
+        from optiremat.service.api.deps import _CAP_OF
+        what = _CAP_OF[column][0]
+        assert f" {what}" in problem["detail"] and column.startswith(
+            {"nodes": ("node", "input_ptr", "output_ptr"), "values": ("value",)}.get(
+                what, ("input_ids", "output_ids", "inputs", "backward_reads", "carry")))
 
 
 def test_a_body_the_scan_cannot_read_is_capped_after_the_parse_before_validation(

@@ -119,16 +119,18 @@ async def limit_rate(request: Request) -> None:
             headers={"Retry-After": str(retry_after)})
 
 
-# The graph's columns that hold one entry per node or per value, and the setting that
-# caps each: (columns, what their entries are, setting, its variable, entries beyond
-# the count). A column longer than its cap is either over the cap or invalid, so every
-# one of them can be refused before validation.
+# The graph's columns that hold one entry per node or per value, or a value id per use
+# (the edges), and the setting that caps each: (columns, what their entries are,
+# setting, its variable, entries beyond the count). A column longer than its cap is
+# either over the cap or invalid, so every one of them can be refused before validation.
 _CAPPED = (
     (tuple(f for f in CostGraph.model_fields if f.startswith("node_")),
      "nodes", "max_graph_nodes", "OPTIREMAT_MAX_GRAPH_NODES", 0),
     (("input_ptr", "output_ptr"), "nodes", "max_graph_nodes", "OPTIREMAT_MAX_GRAPH_NODES", 1),
     (tuple(f for f in CostGraph.model_fields if f.startswith("value_")),
      "values", "max_graph_values", "OPTIREMAT_MAX_GRAPH_VALUES", 0),
+    (("input_ids", "output_ids", "inputs", "backward_reads", "carry_in", "carry_out"),
+     "value references", "max_graph_edges", "OPTIREMAT_MAX_GRAPH_EDGES", 0),
 )
 _CAP_OF = {column: (what, setting, variable, extra)
            for columns, what, setting, variable, extra in _CAPPED for column in columns}

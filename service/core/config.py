@@ -55,6 +55,9 @@ class Settings(BaseSettings):
     max_connections: int = Field(default=512, ge=1)
     max_graph_nodes: int = Field(default=200_000, gt=0)
     max_graph_values: int = Field(default=400_000, gt=0)
+    # Cap on each column of value ids (input_ids, backward_reads, ...): ten per node at
+    # the node cap; a graph of the client's has about two.
+    max_graph_edges: int = Field(default=2_000_000, gt=0)
     # Request bodies validated at once (each in a thread); more wait their turn.
     max_concurrent_parses: int = Field(default=2, ge=1)
     # POST /v1/solve and /v1/frontier hold a connection open: their time limit is capped.
