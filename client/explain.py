@@ -49,7 +49,9 @@ def explain_plan(graph: CostGraph, solution: Solution, top: int | None = 20) -> 
 
 
 def peak_breakdown(graph: CostGraph, solution: Solution, evaluation: Evaluation) -> list[str]:
-    """The predicted peak, term by term: the terms above the phases add up to it."""
+    """The predicted peak, term by term: the terms above the phases add up to it.
+
+    (Long on purpose: the lines in the order ``explain()`` prints them.)"""
     step = graph.step
     assert step is not None and solution.peak_bytes is not None
     arguments = {graph.value_index[v] for v in graph.inputs}

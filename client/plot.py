@@ -34,7 +34,9 @@ _MARKERS = dict(zip(BUILTIN_POLICIES, "sD^v", strict=True))
 
 def plot_frontier(frontier: Frontier, path: str | Path, *,
                   builtins: Mapping[str, PolicyPoint] | None = None, title: str = "") -> Path:
-    """Draw ``frontier`` (and ``builtins``) into ``path``; returns the path written."""
+    """Draw ``frontier`` (and ``builtins``) into ``path``; returns the path written.
+
+    (Long on purpose: one figure, drawn top to bottom as matplotlib builds it.)"""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
     from matplotlib.ticker import FuncFormatter

@@ -32,7 +32,9 @@ Run = Callable[[argparse.Namespace], int]
 
 def add_commands(parser: argparse.ArgumentParser,
                  commands: argparse._SubParsersAction) -> None:
-    """Register the client's subcommands on ``optiremat``'s parser."""
+    """Register the client's subcommands on ``optiremat``'s parser.
+
+    (Long on purpose: argparse declarations, in the order ``--help`` lists them.)"""
     parser.epilog = EPILOG
     parser.formatter_class = argparse.RawDescriptionHelpFormatter
     raw = argparse.RawDescriptionHelpFormatter
@@ -334,6 +336,8 @@ def _solve(args: argparse.Namespace) -> int:
 
 
 def _frontier(args: argparse.Namespace) -> int:
+    """``optiremat frontier``. (Long on purpose: the command's steps in the order it
+    runs them: the graph, the built-ins, the sweep, the table and the plot.)"""
     from optiremat.client.frontier import (
         builtin_points,
         graph_builtin_points,

@@ -260,6 +260,10 @@ def build(graph: CostGraph, tie: bool, reduce: bool = True,
     (``reduction.dominated_choices``); without it the model is the direct one,
     the reference the reductions are tested against. ``offload`` adds the
     offload layer, on the direct model (see the module docstring).
+
+    (Long on purpose: the variables and constraints in the order the module docstring
+    states them, one reading of the model; its steps share the builder and the maps of
+    active nodes.)
     """
     b = bounds(graph)
     modes = graph.node_mode
@@ -452,6 +456,7 @@ def _time_sum(
 ) -> tuple[ScaledSum, tuple[tuple[int, int], ...], tuple[AtLeast, ...]]:
     """``time``'s sum on the variables: the offload cost and, per region with
     transfers, the integer variables and rows of its maxima (the module docstring).
+    (Long on purpose: one scaling, in ticks, holds for every term and row it writes.)
 
     Everything is first in ticks of ``1 / rate.denominator`` FLOPs (a FLOP is
     ``den`` ticks, a byte one way ``num``), then divided by the gcd of every

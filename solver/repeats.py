@@ -286,7 +286,10 @@ def why_not_folded(graph: CostGraph, r: Repeats) -> str | None:
 
 
 def _fold(graph: CostGraph, r: Repeats) -> tuple[CostGraph, tuple[int, ...]]:
-    """Copies 1 .. K-2 dropped, copy 0 scaled by ``K - 1``, copy K-1 reading copy 0."""
+    """Copies 1 .. K-2 dropped, copy 0 scaled by ``K - 1``, copy K-1 reading copy 0.
+
+    (Long on purpose: every column of the graph is rewritten in one pass over the
+    same maps of dropped nodes and values, so that no column can disagree.)"""
     k = r.multiplicity
 
     def dropped(copy: int | None) -> bool:

@@ -44,6 +44,9 @@ def cond_rule(walker: Walker, eqn, refs: Sequence[Ref], ctx: Context) -> list[Re
     branches to what a names policy does: names saved, the rest recomputed.
     Outside every checkpoint (a plan's step graph) jax.vjp keeps what the
     staged branches read: the branches are saved and no policy is offered them.
+
+    (Long on purpose: one primitive's rule, each branch's walk and the merge of their
+    residuals reading the same refs.)
     """
     index, ops = refs[0], refs[1:]
     if not index.known:

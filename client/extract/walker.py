@@ -173,6 +173,10 @@ class Walker:
     # ---- scan: the body once, stacked over the length ---------------------
 
     def scan_rule(self, eqn, refs: Sequence[Ref], ctx: Context) -> list[Ref]:
+        """A ``lax.scan``: its body walked once, as a region repeated ``length`` times.
+
+        (Long on purpose: one primitive's rule; consts, carry and xs are read and
+        written back in the order of the scan's operands.)"""
         p = eqn.params
         (n_consts, n_carry), length = jx.scan_counts(p), int(p["length"])
         if length == 0:  # a graph node runs at least once (its repeat is the scan's length)

@@ -19,6 +19,7 @@ class Metrics:
     content_type = CONTENT_TYPE_LATEST
 
     def __init__(self) -> None:
+        """(Long on purpose: one declaration per metric, the list /metrics serves.)"""
         self.registry = CollectorRegistry()
         r = self.registry
         self.request_seconds = Histogram(
