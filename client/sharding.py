@@ -1,5 +1,8 @@
 """What one device holds of each value on a mesh: the arguments' shardings, propagated.
 
+(Over 400 lines: the layout and its propagation rules, one walk; issue 30's one
+interpreter would give the rules a per-primitive registry of their own.)
+
 On a mesh a budget is the peak one device holds, so every byte in a step's graph
 is a per-device shard. The arguments' shardings are read from the arguments
 themselves (``jax.Array.sharding``, ``jax.ShapeDtypeStruct(..., sharding=...)``);

@@ -1,5 +1,8 @@
 """The client's subcommands of ``optiremat``: extract, solve, frontier, explain.
 
+(Over 400 lines on purpose: four subcommands and the options they share, each read
+where its argparse declaration is.)
+
 Nothing heavy is imported at module level (``optiremat.cli`` imports this for
 ``--help``); each command imports JAX, the solver or matplotlib when it runs.
 """

@@ -1,5 +1,8 @@
 """The checkpointing MILP as backend-neutral data.
 
+(Over 400 lines on purpose: the model's derivation below and the code that builds it
+are read together.)
+
 ``semantics.evaluate`` is a least fixpoint: a value is needed when the backward
 pass reads it, a recomputed node runs when one of its outputs is needed, and a
 running node needs its inputs. Written as implications over 0-1 variables,

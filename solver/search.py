@@ -1,5 +1,7 @@
 """One search: a request's phases, starts, exact pricing and the Solution.
 
+(Over 400 lines on purpose: one request's phases share its clock, backends and cut.)
+
 A solve is lexicographic. Phase 1 minimises the plan's cost within the budget;
 phase 2 fixes the cost at that optimum and minimises the bytes the budget caps,
 so of all equally cheap plans the answer is the leanest one (with transfers that
