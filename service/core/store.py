@@ -249,18 +249,20 @@ class SqliteStore:
 
     def withdraw(self, key: str, owner: str | None) -> bool:
         with self._transaction() as db:
-            db.execute(f"UPDATE job_owners SET cancelled = {Withdrawal.LEFT} WHERE key = ? "
-                       f"AND cancelled = {Withdrawal.NONE}"
-                       + ("" if owner is None else " AND owner = ?"),
-                       (key,) if owner is None else (key, owner))
+            self._move(db, key, owner, Withdrawal.NONE, Withdrawal.LEFT)
             return self._wanted(db, key)
 
     def stopped_for(self, key: str, owner: str | None) -> None:
         with self._transaction() as db:
-            db.execute(f"UPDATE job_owners SET cancelled = {Withdrawal.STOPPED} WHERE key = ? "
-                       f"AND cancelled = {Withdrawal.LEFT}"
-                       + ("" if owner is None else " AND owner = ?"),
-                       (key,) if owner is None else (key, owner))
+            self._move(db, key, owner, Withdrawal.LEFT, Withdrawal.STOPPED)
+
+    @staticmethod
+    def _move(db: sqlite3.Connection, key: str, owner: str | None, old: Withdrawal,
+              new: Withdrawal) -> None:
+        """``owner``'s submission of the job (every one when None) from ``old`` to ``new``."""
+        mine = "" if owner is None else " AND owner = ?"
+        db.execute(f"UPDATE job_owners SET cancelled = ? WHERE key = ? AND cancelled = ?{mine}",
+                   (new, key, old, *(() if owner is None else (owner,))))
 
     def wanted(self, key: str) -> bool:
         with self._lock:
