@@ -96,8 +96,10 @@ def serve(settings: Settings) -> None:
 
     from optiremat.service.api.connections import guarded_protocol
     from optiremat.service.core.logs import configure_logging
+    from optiremat.service.core.memory import tune_malloc
 
     configure_logging(settings.log_level)
+    tune_malloc()  # before uvicorn and the executors start threads
     app = create_app(settings)
 
     class Server(uvicorn.Server):

@@ -17,6 +17,7 @@ from collections.abc import Awaitable, Callable, MutableMapping
 from typing import Any
 
 from optiremat.service.api.problems import problem_body
+from optiremat.service.core.memory import LARGE_BODY_BYTES, MemoryReleaser
 from optiremat.service.core.metrics import Metrics
 from optiremat.solver.wire import INVALID_REQUEST
 
@@ -134,6 +135,7 @@ class BodyDecodingMiddleware:
         self.app = app
         self.max_body_bytes = max_body_bytes
         self.body_timeout_s = body_timeout_s
+        self.releaser = MemoryReleaser()
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http" or not _has_body(scope):
@@ -167,7 +169,14 @@ class BodyDecodingMiddleware:
                 return {"type": "http.request", "body": body, "more_body": False}
             return await receive()  # later calls wait for the disconnect
 
-        await self.app(scope, replay, send)
+        large = len(body) >= LARGE_BODY_BYTES
+        if large:
+            self.releaser.begin()
+        try:
+            await self.app(scope, replay, send)
+        finally:
+            if large:
+                await self.releaser.end()
 
     async def _read(self, scope: Scope, receive: Receive) -> bytes:
         limit = self.max_body_bytes

@@ -188,6 +188,7 @@ class WorkerPool:
     async def _exchange(self, loop: asyncio.AbstractEventLoop, worker: _Worker,
                         task: PoolTask) -> TaskResult:
         await loop.run_in_executor(self._io, worker.conn.send, (task.task, task.graph_json))
+        task.graph_json = ""  # the worker has it: MBs this process need not hold meanwhile
         while True:
             message = await loop.run_in_executor(self._io, worker.conn.recv)
             if isinstance(message, Progress):
