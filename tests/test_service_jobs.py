@@ -62,8 +62,10 @@ def test_cancel_stops_a_long_solve_within_a_second_and_keeps_the_incumbent(
             graph, kept.saved())
 
         # the worker is free again at once, and the cancelled plan was not cached
+        # (its timeout is no speed target: the pool's workers run niced, and a busy CI
+        # machine may keep one waiting for seconds)
         quick = client.post("/v1/solve", json=body(chain(5, name="after-cancel"), 10**9),
-                            timeout=5)
+                            timeout=30)
         assert quick.status_code == 200
         assert client.get(f"/v1/jobs/{job_id}").json()["status"] == "cancelled"
         assert metric(client, "optiremat_busy_workers") == 0
