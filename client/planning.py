@@ -61,9 +61,9 @@ class PlanRequest:
     def offload(self) -> bool:
         return self.options.offload is not None
 
-    def tied(self, tie: bool = True) -> SolveOptions:
-        """The options of a solve tied by policy key (or, with ``tie=False``, not)."""
-        return self.options.model_copy(update={"tie": tie})
+    def tied(self) -> SolveOptions:
+        """The options of a solve tied by policy key."""
+        return self.options.model_copy(update={"tie": True})
 
     def budget_bytes(self, traced: Traced, graph: CostGraph | None = None) -> int:
         """The budget in bytes (``"auto"`` sized for ``traced``; a residual budget's

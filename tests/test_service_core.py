@@ -408,9 +408,9 @@ def test_a_store_of_schema_2_keeps_its_jobs_each_submitted_once(tmp_path: Path) 
 def test_the_waiting_line_serves_sync_first_and_owners_in_turn() -> None:
     async def scenario() -> tuple[list[str], list[str], str | None]:
         line: FairQueue[str] = FairQueue()
-        for owner, count in (("flood", 4), ("one", 1), ("two", 2)):
+        for client, count in (("flood", 4), ("one", 1), ("two", 2)):
             for i in range(count):
-                line.put(f"{owner}{i}", Lane.BACKGROUND, owner)
+                line.put(f"{client}{i}", Lane.BACKGROUND, client)
         line.put("sync0", Lane.SYNC, "flood")
         both = (Lane.SYNC, Lane.BACKGROUND)
         assert line.take((Lane.SYNC,)) == "sync0"

@@ -1,4 +1,4 @@
-"""The embedded pool's waiting line: two lanes, and in each one owner's turn at a time.
+"""The embedded pool's waiting line: two lanes, and in each one client's turn at a time.
 
 A run is in the ``SYNC`` lane when a client waits on it and in ``BACKGROUND`` when
 it is a job (``tasks.Lane``). A worker takes from the lanes it serves in order,
@@ -6,9 +6,9 @@ so a sync run goes before any job waiting; the pool keeps workers that serve the
 sync lane only (``OPTIREMAT_SYNC_WORKERS``), so that a client waiting on a small
 solve is never stuck behind another client's hour of jobs.
 
-Within a lane, owners (an API key's id, or a client address with keys off) take
-turns: each has its own first-in-first-out line, and after one of its runs is
-taken it goes to the back of the turn order. A client that queues a hundred runs
+Within a lane, clients (an API key's id, or an address with keys off) take turns:
+each has its own first-in-first-out line, and after one of its runs is taken it
+goes to the back of the turn order. A client that queues a hundred runs
 delays another's one run by at most one run per worker, not by a hundred.
 """
 
@@ -26,7 +26,7 @@ T = TypeVar("T")
 
 class FairQueue(Generic[T]):
     def __init__(self) -> None:
-        # lane -> owner -> its waiting items; the OrderedDict's order is the turn order
+        # lane -> client -> its waiting items; the OrderedDict's order is the turn order
         self._lines: dict[Lane, OrderedDict[str, deque[T]]] = {lane: OrderedDict()
                                                                for lane in Lane}
         self._size = 0
@@ -35,8 +35,8 @@ class FairQueue(Generic[T]):
     def qsize(self) -> int:
         return self._size
 
-    def put(self, item: T, lane: Lane, owner: str) -> None:
-        self._lines[lane].setdefault(owner, deque()).append(item)
+    def put(self, item: T, lane: Lane, client: str) -> None:
+        self._lines[lane].setdefault(client, deque()).append(item)
         self._size += 1
         # Wake every getter (a handful of workers): each looks at its own lanes. Those
         # serving fewer lanes first: a sync run goes to a sync worker when one is free,
@@ -52,12 +52,12 @@ class FairQueue(Generic[T]):
             line = self._lines[lane]
             if not line:
                 continue
-            owner, items = next(iter(line.items()))
+            client, items = next(iter(line.items()))
             item = items.popleft()
             if items:
-                line.move_to_end(owner)  # the others' turn first
+                line.move_to_end(client)  # the others' turn first
             else:
-                del line[owner]
+                del line[client]
             self._size -= 1
             return item
         return None

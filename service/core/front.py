@@ -224,20 +224,23 @@ class Front:
                 del self._flying[task.key]
 
     async def _resolve(self, task: Task, graph: CostGraph, client: str) -> Outcome:
-        for attempt in (1, 2):
-            stored = await self._read(self._store.get_answer, task.key)
-            if stored is not None:
-                self._metrics.cache_hits.inc()
-                return stored
-            if await self._executor.ensure(task, graph, job=False, client=client):
-                self._metrics.coalesced.inc()  # a run this process did not start
-            outcome = await self._executor.wait(task.key)
-            assert outcome is not None
+        outcome = await self._stored_or_run(task, graph, client)
+        if isinstance(outcome, Cancelled):
             # Cancelled under a waiter: everyone before it let the run go (they hung up)
             # just as this one came. Run it again, once.
-            if not isinstance(outcome, Cancelled) or attempt == 2:
-                return outcome
-        raise AssertionError("unreachable")
+            outcome = await self._stored_or_run(task, graph, client)
+        return outcome
+
+    async def _stored_or_run(self, task: Task, graph: CostGraph, client: str) -> Outcome:
+        stored = await self._read(self._store.get_answer, task.key)
+        if stored is not None:
+            self._metrics.cache_hits.inc()
+            return stored
+        if await self._executor.ensure(task, graph, job=False, client=client):
+            self._metrics.coalesced.inc()  # a run this process did not start
+        outcome = await self._executor.wait(task.key)
+        assert outcome is not None
+        return outcome
 
     async def _answer(self, task: Task, graph: CostGraph, client: str) -> Outcome:
         """The task's outcome, waited for in its flight. When the last client waiting

@@ -43,7 +43,7 @@ class PoolTask:
     task: Task
     graph_json: str
     lane: Lane = Lane.SYNC
-    owner: str = ""  # whose turn it waits for (fair_queue)
+    client: str = ""  # whose turn it waits for (fair_queue)
     on_progress: Callable[[Progress], None] | None = None
     on_start: Callable[[], None] | None = None  # when a worker takes it
     future: asyncio.Future[Outcome] = field(init=False)
@@ -117,7 +117,7 @@ class WorkerPool:
         if self._stopping:
             task.future.set_result(Interrupted())
             return task.future
-        self._queue.put(task, task.lane, task.owner)
+        self._queue.put(task, task.lane, task.client)
         self._metrics.queue_depth.set(self._queue.qsize())
         return task.future
 
