@@ -19,6 +19,7 @@ from optiremat.solver.frontier import (
     FrontierResult,
     frontier_of,
     mark_pareto,
+    own_step_seconds,
     point_fields,
     solve_budgets,
     spaced_budgets,
@@ -79,7 +80,8 @@ def sweep(graph: CostGraph, budgets: Sequence[int] | None = None,
     else:
         results = solve_budgets(graph, budgets, resolved)
     points = [FrontierPoint(**point_fields(budget, result)) for budget, result in results.items()]
-    return frontier_of(graph, resolved, points, low, high)
+    return frontier_of(graph.content_hash, own_step_seconds(graph, resolved), resolved,
+                       points, low, high)
 
 
 def _refined(graph: CostGraph, regions: Sequence[Region], budgets: Sequence[int],

@@ -92,13 +92,20 @@ def point_fields(budget: int, result: FrontierResult) -> dict[str, Any]:
     return fields
 
 
-def frontier_of(graph: CostGraph, options: SolveOptions, points: list[FrontierPoint],
-                low: int | None = None, high: int | None = None) -> Frontier:
-    """The sweep's answer: ``points`` Pareto-marked, with offload options the step's
-    own estimated seconds beside them."""
+def own_step_seconds(graph: CostGraph, options: SolveOptions) -> float | None:
+    """With offload options, the step's own estimated seconds (no remat, nothing
+    moved), which a frontier shows beside its points; else None."""
+    return None if options.offload is None else step_seconds(graph, options.offload)
+
+
+def frontier_of(graph_hash: str, step: float | None, options: SolveOptions,
+                points: list[FrontierPoint], low: int | None = None,
+                high: int | None = None) -> Frontier:
+    """The sweep's answer: ``points`` Pareto-marked, beside the graph's
+    ``own_step_seconds``. It takes the graph's hash, not the graph: the service holds
+    a graph as its text while it is solved (``service.core.graph_text``)."""
     mark_pareto(points)
-    step = None if options.offload is None else step_seconds(graph, options.offload)
-    return Frontier(graph_hash=graph.content_hash, options=options, min_feasible_budget=low,
+    return Frontier(graph_hash=graph_hash, options=options, min_feasible_budget=low,
                     max_useful_budget=high, points=points, step_seconds=step)
 
 

@@ -17,6 +17,7 @@ import pytest
 from optiremat.service.core import tasks
 from optiremat.service.core.errors import Unavailable
 from optiremat.service.core.fair_queue import FairQueue
+from optiremat.service.core.graph_text import GraphText
 from optiremat.service.core.limits import MemoryRateLimiter
 from optiremat.service.core.metrics import Metrics
 from optiremat.service.core.outcome import (
@@ -336,7 +337,7 @@ def test_past_its_bound_the_queue_refuses_new_runs_but_not_joins(
         store = RedisStore(redis_server.client(), ttl_s=3600)
         store.redis.flushall()
         executor = RQExecutor(store, heartbeat_s=1, metrics=Metrics(), max_queued=2)
-        graph = chain(3, name="queued")
+        graph = GraphText.of(chain(3, name="queued"))
         tasks = [SolveTask(graph_hash=graph.content_hash, budget_bytes=b,
                            options=SolveOptions()) for b in (1, 2, 3)]
         for task in tasks[:2]:  # no worker: both wait in the queue
@@ -426,3 +427,11 @@ def test_the_waiting_line_serves_sync_first_and_owners_in_turn() -> None:
     taken, sync_taken, last = asyncio.run(scenario())
     assert taken == ["flood0", "one0", "two0", "flood1", "two1", "flood2", "flood3"]
     assert sync_taken == ["sync1"] and last == "late"
+
+
+def test_a_graph_text_is_the_graph_s_canonical_json_and_content_hash() -> None:
+    graph = chain(5, name="text")
+    text = GraphText.of(graph)
+    assert text.json == graph.canonical_json()
+    assert text.content_hash == graph.content_hash
+    assert "chars" in repr(text) and text.json not in repr(text)

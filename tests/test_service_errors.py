@@ -265,9 +265,9 @@ def capped_column_entry(column: str) -> Any:
 
 def capped_columns() -> list[tuple[str, int]]:
     """(column, entries one past its cap): every per-node, per-value and per-use column."""
-    from optiremat.service.api.deps import _CAP_OF  # the table the server counts by
+    from optiremat.service.api.caps import CAP_OF  # the table the server counts by
     caps = {"nodes": NODE_CAP, "values": VALUE_CAP, "value references": EDGE_CAP}
-    return [(column, caps[what] + extra + 1) for column, (what, _, _, extra) in _CAP_OF.items()]
+    return [(column, caps[what] + extra + 1) for column, (what, _, _, extra) in CAP_OF.items()]
 
 
 def escaped(key: str) -> str:
@@ -288,8 +288,8 @@ def test_every_capped_column_is_refused_before_the_parse_however_its_key_is_spel
     with server.client() as client:
         problem = assert_problem(client.post("/v1/solve", content=raw, headers=headers), 413,
                                  ["at least", "OPTIREMAT_MAX_GRAPH_"])
-        from optiremat.service.api.deps import _CAP_OF
-        what = _CAP_OF[column][0]
+        from optiremat.service.api.caps import CAP_OF
+        what = CAP_OF[column][0]
         assert f" {what}" in problem["detail"] and column.startswith(
             {"nodes": ("node", "input_ptr", "output_ptr"), "values": ("value",)}.get(
                 what, ("input_ids", "output_ids", "inputs", "backward_reads", "carry")))

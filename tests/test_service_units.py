@@ -51,7 +51,8 @@ async def _echo(request: Request) -> Response:
 
 def decoding_client(limit: int) -> Starlette:
     app = Starlette(routes=[Route("/", _echo, methods=["POST"])])
-    app.add_middleware(BodyDecodingMiddleware, max_body_bytes=limit, body_timeout_s=60.0)
+    app.add_middleware(BodyDecodingMiddleware,
+                       settings=Settings(max_body_bytes=limit, body_timeout_s=60.0))
     return app
 
 
@@ -82,6 +83,21 @@ def test_the_cap_applies_to_decoded_bytes() -> None:
     bomb = post(client, gzip.compress(b" " * 10_000_000), "gzip")  # 10 kB on the wire
     assert bomb.status_code == 413 and "inflates past 100000" in bomb.json()["detail"]
     assert post(client, b" " * 100_001).status_code == 413
+
+
+def test_a_graph_over_the_caps_never_reaches_the_app() -> None:
+    reached = []
+
+    async def route(request: Request) -> Response:
+        reached.append(await request.body())
+        return Response(b"{}")
+
+    app = Starlette(routes=[Route("/", route, methods=["POST"])])
+    app.add_middleware(BodyDecodingMiddleware, settings=Settings(max_graph_nodes=3))
+    answer = post(app, b'{"graph": {"node_id": [0, 1, 2, 3]}}')  # neither auth nor a parse
+    assert answer.status_code == 413 and "at least 4 nodes" in answer.json()["detail"]
+    assert answer.json()["type"].endswith("graph-too-large") and not reached
+    assert post(app, b'{"graph": {"node_id": [0, 1, 2]}}').status_code == 200 and reached
 
 
 def test_broken_gzip_is_a_400() -> None:

@@ -15,6 +15,7 @@ from optiremat.service.api.api_keys import ApiKeys
 from optiremat.service.api.docs import install_docs
 from optiremat.service.api.middleware import BodyDecodingMiddleware, RequestContextMiddleware
 from optiremat.service.api.openapi import install_openapi
+from optiremat.service.api.parsing import BodyParsers
 from optiremat.service.api.problems import install_problem_handlers
 from optiremat.service.api.routes import frontier, health, jobs, solve
 from optiremat.service.core.config import Settings, redact_url
@@ -42,6 +43,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         try:
             yield
         finally:
+            parsers.close()
             await front.stop()
 
     app = FastAPI(
@@ -57,11 +59,10 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.state.api_keys = ApiKeys(settings)
     app.state.auth_failures = (FailureThrottle(settings.auth_failures_per_minute)
                                if settings.auth_failures_per_minute else None)
-    app.state.parse_slots = asyncio.Semaphore(settings.max_concurrent_parses)
+    app.state.parsers = parsers = BodyParsers(settings)
     install_problem_handlers(app)
     # Added last runs first: the request id exists before the body is read.
-    app.add_middleware(BodyDecodingMiddleware, max_body_bytes=settings.max_body_bytes,
-                       body_timeout_s=settings.body_timeout_s)
+    app.add_middleware(BodyDecodingMiddleware, settings=settings)
     app.add_middleware(RequestContextMiddleware, metrics=metrics)
     for module in (solve, jobs, frontier, health):
         app.include_router(module.router)

@@ -1,13 +1,20 @@
-"""Request bodies of the REST API, and its health answer. Graph and solution models come
-from solver/; the resources the run layer returns (jobs, frontiers) from
-``optiremat.service.core.models``."""
+"""Request bodies of the REST API, what a route keeps of them once validated, and its
+health answer. Graph and solution models come from solver/; the resources the run
+layer returns (jobs, frontiers) from ``optiremat.service.core.models``.
+
+A route never holds a parsed graph: ``parse_body`` validates a body and hands the
+route its ``valid()`` form, where the graph is a ``GraphText`` (why: that module).
+"""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from optiremat.service.core.graph_text import GraphText
+from optiremat.solver.frontier import own_step_seconds
 from optiremat.solver.graph import CostGraph, GraphBuilder
 from optiremat.solver.peak import resolve_memory
 from optiremat.solver.solution import SolveOptions
@@ -31,6 +38,26 @@ def _example_graph() -> dict[str, Any]:
 _EXAMPLE_GRAPH = _example_graph()
 
 
+@dataclass(frozen=True, slots=True)
+class ValidSolve:
+    """A validated ``SolveRequest``."""
+
+    graph: GraphText
+    budget_bytes: int
+    options: SolveOptions
+
+
+@dataclass(frozen=True, slots=True)
+class ValidFrontier:
+    """A validated ``FrontierRequest``, with the graph's ``own_step_seconds``."""
+
+    graph: GraphText
+    budgets: list[int] | None
+    count: int | None
+    options: SolveOptions
+    step_seconds: float | None
+
+
 class SolveRequest(BaseModel):
     """One graph, one budget: the body of ``POST /v1/solve`` and ``POST /v1/jobs``."""
 
@@ -48,6 +75,9 @@ class SolveRequest(BaseModel):
     def _memory_fits_the_graph(self) -> SolveRequest:
         resolve_memory(self.graph, self.options.memory)  # a clear 422 before any solve
         return self
+
+    def valid(self) -> ValidSolve:
+        return ValidSolve(GraphText.of(self.graph), self.budget_bytes, self.options)
 
 
 class FrontierRequest(BaseModel):
@@ -74,6 +104,10 @@ class FrontierRequest(BaseModel):
         if (self.budgets is None) == (self.count is None):
             raise ValueError("give exactly one of 'budgets' (a list) or 'count' (an integer)")
         return self
+
+    def valid(self) -> ValidFrontier:
+        return ValidFrontier(GraphText.of(self.graph), self.budgets, self.count, self.options,
+                             own_step_seconds(self.graph, self.options))
 
 
 class Health(BaseModel):

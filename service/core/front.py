@@ -24,6 +24,7 @@ from datetime import UTC, datetime
 from typing import Any, TypeVar
 
 from optiremat.service.core.errors import Unavailable
+from optiremat.service.core.graph_text import GraphText
 from optiremat.service.core.metrics import Metrics
 from optiremat.service.core.models import Readiness
 from optiremat.service.core.outcome import (
@@ -47,7 +48,6 @@ from optiremat.service.core.runs import (
 )
 from optiremat.service.core.tasks import BudgetRangeTask, SolveTask, Task
 from optiremat.solver.frontier import FrontierResult, frontier_of, point_fields, spaced_budgets
-from optiremat.solver.graph import CostGraph
 from optiremat.solver.solution import InfeasibleBudgetError, Solution, SolveOptions
 from optiremat.solver.wire import (
     Frontier,
@@ -197,7 +197,7 @@ class Front:
 
     # ---- answers --------------------------------------------------------------
 
-    def _flight(self, task: Task, graph: CostGraph, client: str) -> asyncio.Future[Outcome]:
+    def _flight(self, task: Task, graph: GraphText, client: str) -> asyncio.Future[Outcome]:
         future = self._flights.get(task.key)
         if future is not None:
             self._metrics.coalesced.inc()
@@ -209,7 +209,7 @@ class Front:
         self._flying[task.key] = self._spawn(self._fly(task, graph, client, future))
         return future
 
-    async def _fly(self, task: Task, graph: CostGraph, client: str,
+    async def _fly(self, task: Task, graph: GraphText, client: str,
                    future: asyncio.Future[Outcome]) -> None:
         try:
             outcome = await self._resolve(task, graph, client)
@@ -223,7 +223,7 @@ class Front:
                 del self._flights[task.key]
                 del self._flying[task.key]
 
-    async def _resolve(self, task: Task, graph: CostGraph, client: str) -> Outcome:
+    async def _resolve(self, task: Task, graph: GraphText, client: str) -> Outcome:
         outcome = await self._stored_or_run(task, graph, client)
         if isinstance(outcome, Cancelled):
             # Cancelled under a waiter: everyone before it let the run go (they hung up)
@@ -231,7 +231,7 @@ class Front:
             outcome = await self._stored_or_run(task, graph, client)
         return outcome
 
-    async def _stored_or_run(self, task: Task, graph: CostGraph, client: str) -> Outcome:
+    async def _stored_or_run(self, task: Task, graph: GraphText, client: str) -> Outcome:
         stored = await self._read(self._store.get_answer, task.key)
         if stored is not None:
             self._metrics.cache_hits.inc()
@@ -242,7 +242,7 @@ class Front:
         assert outcome is not None
         return outcome
 
-    async def _answer(self, task: Task, graph: CostGraph, client: str) -> Outcome:
+    async def _answer(self, task: Task, graph: GraphText, client: str) -> Outcome:
         """The task's outcome, waited for in its flight. When the last client waiting
         on a flight leaves (it hung up), the run is let go: it stops unless someone
         else still wants it (a job's submission, a waiter on another replica)."""
@@ -276,7 +276,7 @@ class Front:
 
         self._spawn(abandon())
 
-    async def solve(self, graph: CostGraph, budget_bytes: int, options: SolveOptions,
+    async def solve(self, graph: GraphText, budget_bytes: int, options: SolveOptions,
                     *, body_digest: bytes | None = None, client: str = "") -> Outcome:
         """The answer for this request; ``body_digest`` lets ``stored_answer`` find it
         again from the raw body alone. ``client`` (who asks: an API key's id or an
@@ -297,9 +297,11 @@ class Front:
             self._metrics.cache_hits.inc()
         return stored
 
-    async def frontier(self, graph: CostGraph, budgets: list[int] | None, count: int | None,
-                       options: SolveOptions, client: str = "") -> Frontier | Outcome:
-        """The frontier, or the outcome that stopped it (cancelled, interrupted, failed).
+    async def frontier(self, graph: GraphText, budgets: list[int] | None, count: int | None,
+                       options: SolveOptions, step_seconds: float | None = None,
+                       client: str = "") -> Frontier | Outcome:
+        """The frontier, or the outcome that stopped it (cancelled, interrupted, failed);
+        ``step_seconds`` is the graph's ``own_step_seconds``.
 
         Each point is one ``solve``, so it is cached and single-flight like
         ``POST /v1/solve``.
@@ -326,7 +328,7 @@ class Front:
             else:
                 return outcome
             points.append(FrontierPoint(**point_fields(budget, result)))
-        return frontier_of(graph, options, points, low, high)
+        return frontier_of(graph.content_hash, step_seconds, options, points, low, high)
 
     # ---- jobs -----------------------------------------------------------------
     # A job is one run per request hash, and a submission per owner (an API key's id,
@@ -334,7 +336,7 @@ class Front:
     # whether it cancelled), cancelling withdraws only that owner's, and the run stops
     # when nothing wants it any more.
 
-    async def submit_job(self, graph: CostGraph, budget_bytes: int, options: SolveOptions,
+    async def submit_job(self, graph: GraphText, budget_bytes: int, options: SolveOptions,
                          owner: str | None = None, client: str = "") -> Job:
         """``owner``'s submission of the job for this request, from now (renewed if it
         had cancelled it); the run is started when there is none or it failed or was

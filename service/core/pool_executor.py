@@ -18,6 +18,7 @@ from typing import Any, TypeVar
 
 from optiremat.service.core.config import Settings
 from optiremat.service.core.errors import Unavailable, queue_full
+from optiremat.service.core.graph_text import GraphText
 from optiremat.service.core.keeper import StoreKeeper
 from optiremat.service.core.metrics import Metrics
 from optiremat.service.core.models import Readiness
@@ -26,7 +27,6 @@ from optiremat.service.core.pool import PoolTask, WorkerPool
 from optiremat.service.core.runs import Live, in_thread
 from optiremat.service.core.store import Evicted, SqliteStore
 from optiremat.service.core.tasks import Lane, Task
-from optiremat.solver.graph import CostGraph
 from optiremat.solver.wire import Progress
 
 log = logging.getLogger("optiremat.service")
@@ -118,20 +118,17 @@ class PoolExecutor:
 
     # ---- runs ---------------------------------------------------------------
 
-    async def ensure(self, task: Task, graph: CostGraph, *, job: bool,
+    async def ensure(self, task: Task, graph: GraphText, *, job: bool,
                      client: str = "") -> bool:
         if task.key not in self._runs:
             self._keeper.refuse_new_work()
             await self._check_queue(task)
-        graph_json: str | None = None
         if job:
             assert task.kind == "solve"
-            graph_json = await asyncio.to_thread(graph.canonical_json)  # MBs: off the loop
-            await self._keeper.write(self.store.put_job, task.key, task, graph_json)
+            await self._keeper.write(self.store.put_job, task.key, task, graph.json)
         if task.key in self._runs:
             return True
-        self._start(task, graph if graph_json is None else graph_json,
-                    Lane.BACKGROUND if job else Lane.SYNC, client)
+        self._start(task, graph.json, Lane.BACKGROUND if job else Lane.SYNC, client)
         return False
 
     async def _check_queue(self, task: Task) -> None:
@@ -144,11 +141,11 @@ class PoolExecutor:
         self._metrics.rejected.labels(reason="queue_full").inc()
         raise queue_full(queued, self._max_queued)
 
-    def _start(self, task: Task, graph: CostGraph | str, lane: Lane = Lane.BACKGROUND,
+    def _start(self, task: Task, graph_json: str, lane: Lane = Lane.BACKGROUND,
                client: str = "") -> None:
         run = _Run(task, asyncio.get_running_loop().create_future(), lane, client)
         self._runs[task.key] = run
-        driver = asyncio.create_task(self._drive(run, graph))
+        driver = asyncio.create_task(self._drive(run, graph_json))
         self._drivers.add(driver)
         driver.add_done_callback(self._drivers.discard)
 
@@ -162,9 +159,9 @@ class PoolExecutor:
         self._drivers.add(task)
         task.add_done_callback(self._drivers.discard)
 
-    async def _drive(self, run: _Run, graph: CostGraph | str) -> None:
+    async def _drive(self, run: _Run, graph_json: str) -> None:
         try:
-            outcome = await self._execute(run, graph)
+            outcome = await self._execute(run, graph_json)
         except Exception as exc:  # a store failure must not leave waiters hanging
             log.exception("run %s failed", run.task.key)
             outcome = Failed(message=f"internal error: {type(exc).__name__}: {exc}")
@@ -173,12 +170,10 @@ class PoolExecutor:
         run.future.set_result(outcome)
         del self._runs[run.task.key]
 
-    async def _execute(self, run: _Run, graph: CostGraph | str) -> Outcome:
+    async def _execute(self, run: _Run, graph_json: str) -> Outcome:
         stored = await self._io(self.store.get_answer, run.task.key)
         if stored is not None:
             return stored
-        graph_json = (graph if isinstance(graph, str)
-                      else await asyncio.to_thread(graph.canonical_json))  # MBs: off the loop
         if run.cancel_requested:  # cancelled before it reached the queue
             return Cancelled()
         # No await between creating the task and queueing it: cancel sees either no

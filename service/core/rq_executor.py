@@ -25,13 +25,13 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from optiremat.service.core.config import Settings
 from optiremat.service.core.errors import Unavailable, queue_full
+from optiremat.service.core.graph_text import GraphText
 from optiremat.service.core.metrics import Metrics
 from optiremat.service.core.models import Readiness
 from optiremat.service.core.outcome import Outcome, reusable
 from optiremat.service.core.redis_store import RedisStore, Usage
 from optiremat.service.core.runs import Live, in_thread
 from optiremat.service.core.tasks import Task
-from optiremat.solver.graph import CostGraph
 
 log = logging.getLogger("optiremat.service")
 T = TypeVar("T")
@@ -125,14 +125,13 @@ class RQExecutor:
 
     # ---- runs -------------------------------------------------------------------
 
-    async def ensure(self, task: Task, graph: CostGraph, *, job: bool,
+    async def ensure(self, task: Task, graph: GraphText, *, job: bool,
                      client: str = "") -> bool:
         # RQ queues are first in, first out: ``client`` takes no turns here; the sync
         # lane (its own queue) keeps a client's solve from waiting behind jobs.
         await self._check_queue(task)
         if not await self._call(self.store.has_graph, task.graph_hash):
-            graph_json = await asyncio.to_thread(graph.canonical_json)  # MBs: off the loop
-            await self._call(self.store.put_graph, task.graph_hash, graph_json)
+            await self._call(self.store.put_graph, task.graph_hash, graph.json)
         record, started = await self._call(lambda: self.store.ensure_run(task, job=job))
         if started:
             log.info("queued %s %s", task.kind, task.key)

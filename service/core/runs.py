@@ -17,10 +17,10 @@ from enum import IntEnum
 from typing import Any, Protocol, TypeVar
 
 from optiremat.service.core.errors import Unavailable
+from optiremat.service.core.graph_text import GraphText
 from optiremat.service.core.models import Readiness
 from optiremat.service.core.outcome import Answer, Outcome
 from optiremat.service.core.tasks import SolveTask, Task
-from optiremat.solver.graph import CostGraph
 from optiremat.solver.wire import JobStatus, Progress
 
 T = TypeVar("T")
@@ -154,7 +154,7 @@ class Executor(Protocol):
     async def readiness(self) -> Readiness:
         """Raises ``Unavailable`` when not ready."""
 
-    async def ensure(self, task: Task, graph: CostGraph, *, job: bool,
+    async def ensure(self, task: Task, graph: GraphText, *, job: bool,
                      client: str = "") -> bool:
         """Start the task's run unless one is under way or has answered; with ``job``
         the run is (also) a job, else a client waits on it (the sync lane); ``client``

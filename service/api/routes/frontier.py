@@ -40,7 +40,8 @@ async def frontier(request: Request, settings: SettingsDep,
     body = await parse_body(request, FrontierRequest, await request.body())
     options = cap_time_limit(body.options, settings.sync_time_limit_s)
     result = await unless_disconnected(request, front.frontier(
-        body.graph, body.budgets, body.count, options, client=client_of(request)))
+        body.graph, body.budgets, body.count, options, body.step_seconds,
+        client=client_of(request)))
     if isinstance(result, Response):  # the client hung up: its solves were let go
         return result
     if not isinstance(result, Frontier):
