@@ -1,5 +1,8 @@
 """Identical repeated layers, solved once with a multiplicity (tied plans only).
 
+(Just over 400 lines on purpose: finding the copies, checking every condition below
+and folding the graph are one proof, read top to bottom.)
+
 An unrolled stack of identical layers is a chain of copies ``C_1 .. C_K`` of
 one subgraph between a prefix and a suffix (which may hold a first or last
 layer that differs). Under a tied plan every copy makes the same decisions, so

@@ -126,6 +126,43 @@ class _Reject(Exception):
         self.headers = headers or []
 
 
+def _too_large(limit: int) -> _Reject:
+    return _Reject(413, "Body too large",
+                   f"the request body exceeds {limit} bytes (OPTIREMAT_MAX_BODY_BYTES)")
+
+
+class _Gunzip:
+    """Inflates a gzip body chunk by chunk, never more than one byte past ``limit``
+    (a small gzip bomb is refused as soon as its output passes it), member after
+    member."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self.size = 0
+        self._member = zlib.decompressobj(wbits=16 + zlib.MAX_WBITS)
+
+    def inflate(self, chunk: bytes, into: list[bytes]) -> None:
+        try:
+            while chunk:
+                piece = self._member.decompress(chunk, self.limit - self.size + 1)
+                self.size += len(piece)
+                into.append(piece)
+                if self.size > self.limit:
+                    raise _Reject(413, "Body too large",
+                                  f"the gzip body inflates past {self.limit} bytes "
+                                  "(OPTIREMAT_MAX_BODY_BYTES)")
+                chunk = self._member.unconsumed_tail
+                if self._member.eof and self._member.unused_data:  # another member follows
+                    chunk = self._member.unused_data
+                    self._member = zlib.decompressobj(wbits=16 + zlib.MAX_WBITS)
+        except zlib.error as exc:
+            raise _Reject(400, "Malformed gzip", f"the body is not valid gzip: {exc}") from exc
+
+    def finish(self) -> None:
+        if not self._member.eof:
+            raise _Reject(400, "Malformed gzip", "the gzip body is truncated")
+
+
 class BodyDecodingMiddleware:
     """Admits JSON bodies only, caps their size, decodes ``Content-Encoding: gzip``
     under the same cap, and refuses a graph over the caps (``caps.check_counts``).
@@ -202,13 +239,33 @@ class BodyDecodingMiddleware:
 
     async def _read(self, scope: Scope, receive: Receive) -> bytes:
         limit = self.max_body_bytes
-        too_large = _Reject(
-            413, "Body too large",
-            f"the request body exceeds {limit} bytes (OPTIREMAT_MAX_BODY_BYTES)",
-        )
+        gunzip = _Gunzip(limit) if self._admitted_encoding(scope) != "identity" else None
+        raw_size = 0
+        parts: list[bytes] = []
+        more = True
+        while more:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                raise _Reject(400, "Incomplete body", "the client disconnected mid-body")
+            chunk = message.get("body", b"")
+            more = message.get("more_body", False)
+            raw_size += len(chunk)
+            if raw_size > limit:
+                raise _too_large(limit)
+            if gunzip is None:
+                parts.append(chunk)
+            else:
+                gunzip.inflate(chunk, parts)
+        if gunzip is not None:
+            gunzip.finish()
+        return b"".join(parts)
+
+    def _admitted_encoding(self, scope: Scope) -> str:
+        """The body's Content-Encoding, once its announced length, media type and
+        encoding are ones this server takes."""
         length = _header(scope, b"content-length")
-        if length is not None and length.isdigit() and int(length) > limit:
-            raise too_large
+        if length is not None and length.isdigit() and int(length) > self.max_body_bytes:
+            raise _too_large(self.max_body_bytes)
         media_type = (_header(scope, b"content-type") or "").split(";")[0].strip().lower()
         if media_type != "application/json" and not media_type.endswith("+json"):
             raise _Reject(
@@ -223,45 +280,7 @@ class BodyDecodingMiddleware:
                 f"Content-Encoding {encoding!r} is not supported; send identity or gzip",
                 headers=[(b"accept-encoding", b"gzip")],
             )
-        gunzip = zlib.decompressobj(wbits=16 + zlib.MAX_WBITS) if encoding != "identity" else None
-        raw_size = 0
-        parts: list[bytes] = []
-        decoded_size = 0
-        more = True
-        while more:
-            message = await receive()
-            if message["type"] == "http.disconnect":
-                raise _Reject(400, "Incomplete body", "the client disconnected mid-body")
-            chunk = message.get("body", b"")
-            more = message.get("more_body", False)
-            raw_size += len(chunk)
-            if raw_size > limit:
-                raise too_large
-            if gunzip is None:
-                parts.append(chunk)
-                continue
-            try:
-                while chunk:
-                    # max_length bounds memory: never inflate more than one byte past the cap
-                    piece = gunzip.decompress(chunk, limit - decoded_size + 1)
-                    decoded_size += len(piece)
-                    parts.append(piece)
-                    if decoded_size > limit:
-                        raise _Reject(
-                            413, "Body too large",
-                            f"the gzip body inflates past {limit} bytes "
-                            "(OPTIREMAT_MAX_BODY_BYTES)",
-                        )
-                    chunk = gunzip.unconsumed_tail
-                    if gunzip.eof and gunzip.unused_data:  # another gzip member follows
-                        chunk = gunzip.unused_data
-                        gunzip = zlib.decompressobj(wbits=16 + zlib.MAX_WBITS)
-            except zlib.error as exc:
-                raise _Reject(400, "Malformed gzip",
-                              f"the body is not valid gzip: {exc}") from exc
-        if gunzip is not None and not gunzip.eof:
-            raise _Reject(400, "Malformed gzip", "the gzip body is truncated")
-        return b"".join(parts)
+        return encoding
 
     @staticmethod
     async def _send_problem(scope: Scope, send: Send, reject: _Reject) -> None:

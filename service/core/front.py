@@ -14,23 +14,20 @@ A job is the same run, also recorded as a job under its request hash.
 from __future__ import annotations
 
 import asyncio
-import base64
 import contextlib
-import json
 from collections import OrderedDict
 from collections.abc import Callable, Coroutine
 from dataclasses import replace
-from datetime import UTC, datetime
 from typing import Any, TypeVar
 
 from optiremat.service.core.errors import Unavailable
 from optiremat.service.core.graph_text import GraphText
+from optiremat.service.core.job_views import decode_cursor, encode_cursor, job_summary, job_view
 from optiremat.service.core.metrics import Metrics
 from optiremat.service.core.models import Readiness
 from optiremat.service.core.outcome import (
     BudgetRange,
     Cancelled,
-    Failed,
     Infeasible,
     Interrupted,
     Outcome,
@@ -41,10 +38,8 @@ from optiremat.service.core.runs import (
     ANONYMOUS,
     Executor,
     JobRecord,
-    Position,
     in_thread,
     job_status,
-    shows_run,
 )
 from optiremat.service.core.tasks import BudgetRangeTask, SolveTask, Task
 from optiremat.solver.frontier import FrontierResult, frontier_of, point_fields, spaced_budgets
@@ -55,8 +50,6 @@ from optiremat.solver.wire import (
     Job,
     JobPage,
     JobStatus,
-    JobSummary,
-    Problem,
 )
 
 T = TypeVar("T")
@@ -91,56 +84,8 @@ class BodyMemo:
         return key
 
 
-def job_summary(record: JobRecord, status: JobStatus) -> JobSummary:
-    task = record.task
-    return JobSummary(
-        id=record.key, status=status, graph_hash=task.graph_hash,
-        budget_bytes=task.budget_bytes, options=task.options,
-        created_at=datetime.fromtimestamp(record.created_at, UTC),
-        updated_at=datetime.fromtimestamp(record.updated_at, UTC),
-        progress=record.progress,
-    )
-
-
-def job_view(record: JobRecord, outcome: Outcome | None, running: bool = False) -> Job:
-    """The API's Job: ``outcome`` is the record's, or the live run's once it ended. A
-    submission withdrawn shows nothing of a run that went on without it."""
-    status = job_status(outcome, running, record.withdrawn)
-    solution = error = None
-    if not shows_run(record.withdrawn, outcome):
-        record, outcome = replace(record, progress=None), None
-    if outcome is not None:
-        if isinstance(outcome, Cancelled):
-            solution = outcome.partial if isinstance(outcome.partial, Solved) else None
-        elif isinstance(outcome, Solved):
-            solution = outcome
-        elif isinstance(outcome, Infeasible):
-            error = Problem.infeasible(outcome.budget_bytes, outcome.min_budget_bytes,
-                                       outcome.memory)
-        else:
-            error = (Problem.failed(outcome.message, outcome.invalid)
-                     if isinstance(outcome, Failed) else Problem.solve_failed(repr(outcome)))
-    return Job(
-        **job_summary(record, status).model_dump(),
-        solution=None if solution is None else Solution.model_validate_json(solution.solution_json),
-        error=error,
-    )
-
-
 def _submitter(owner: str | None) -> str:
     return ANONYMOUS if owner is None else owner
-
-
-def encode_cursor(position: Position) -> str:
-    return base64.urlsafe_b64encode(json.dumps(position).encode()).decode().rstrip("=")
-
-
-def decode_cursor(cursor: str) -> Position:
-    try:
-        created_at, key = json.loads(base64.urlsafe_b64decode(cursor + "=" * (-len(cursor) % 4)))
-        return float(created_at), str(key)
-    except (ValueError, TypeError) as exc:
-        raise ValueError(f"{cursor!r} is not a cursor this server handed out") from exc
 
 
 class Front:
