@@ -170,7 +170,11 @@ class BodyParsers:
 
     async def _in_process(self, model: type[RequestModel[Kept]],
                           raw: bytes) -> _Accepted[Kept] | _Invalid | _Refused:
-        process = self._idle.pop() if self._idle else _ParseProcess()
+        try:
+            process = self._idle.pop() if self._idle else _ParseProcess()
+        except OSError as exc:  # out of processes or files: a client may try again
+            raise Unavailable("Parse failed", "no process could be started to validate "
+                              f"this request body ({exc}); retry shortly") from None
         try:
             result = await asyncio.to_thread(process.validate, model, raw, self._settings)
         except (EOFError, OSError):  # it died (out of memory?): the next body gets another
