@@ -22,7 +22,8 @@ from jax.sharding import AbstractMesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import optiremat
-from optiremat.client.sharding import Spec, propagate
+from optiremat.client.sharding import Spec
+from optiremat.client.sharding_rules import propagate
 from tests.service_harness import REPO
 
 # Among the suite's longest: handed out first (tests/conftest.py).

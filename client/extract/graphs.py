@@ -20,7 +20,7 @@ from optiremat.client.extract.state import (
 )
 from optiremat.client.extract.tracing import Traced, trace
 from optiremat.client.extract.walker import Walker
-from optiremat.client.sharding import propagate
+from optiremat.client.sharding_rules import propagate
 from optiremat.solver.graph import CostGraph, DeviceMesh, GraphBuilder, NodeMode
 from optiremat.solver.step import StepMemory
 

@@ -31,7 +31,8 @@ from optiremat.client.extract.state import (
 from optiremat.client.keys import policy_key
 from optiremat.client.peak.finding import RegionMarker
 from optiremat.client.primitives import Role, body, info, unknown_body
-from optiremat.client.sharding import MeshLayout, collective_bytes
+from optiremat.client.sharding import MeshLayout
+from optiremat.client.sharding_rules import collective_bytes
 from optiremat.solver.graph import GraphBuilder, NodeMode
 
 
@@ -51,7 +52,7 @@ class Walker:
     # residuals for the backward pass: each costs about its size again (bench/peak.py);
     # whether it does is asked of XLA (``widens_stacked_halves``).
     widen_stacked_halves: bool = False
-    # On a mesh: its layout, and each variable's spec (``client.sharding.propagate``),
+    # On a mesh: its layout, and each variable's spec (``client.sharding_rules.propagate``),
     # so that a value weighs what one device holds of it.
     layout: MeshLayout | None = None
     specs: dict = field(default_factory=dict)

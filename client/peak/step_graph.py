@@ -20,7 +20,7 @@ from optiremat.client.peak.calibration import assumed_working_bytes, calibrate_p
 from optiremat.client.peak.finding import RegionMarker, find_regions
 from optiremat.client.peak.placement import Placement, keeps_barriers, place
 from optiremat.client.peak.regions import Region
-from optiremat.client.sharding import propagate
+from optiremat.client.sharding_rules import propagate
 from optiremat.client.step import Step, StepMemoryAnalysis, lowered_memory
 from optiremat.solver.graph import CostGraph
 from optiremat.solver.step import StepMemory
