@@ -8,7 +8,6 @@ from dataclasses import dataclass, field
 import jax
 
 import optiremat.client._jax_internals as jx
-import optiremat.client.extract.cond  # noqa: F401  (registers the cond rule)
 from optiremat.client.cost_model import aval_bytes
 from optiremat.client.extract.state import (
     Context,

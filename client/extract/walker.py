@@ -6,7 +6,8 @@ graph. Primitives that partial evaluation treats specially get a rule, looked
 up by their role in ``client.primitives``: calls are flattened, a nested
 checkpoint is flattened or (in a plan's step graph) hands its equations to
 the solver, a scan's body is walked once and stacked over its length, a while
-loop is one fixed node; ``client.extract.cond`` registers the cond rule.
+loop is one fixed node, a cond's branches are summarised alone
+(``client.extract.cond``). ``ROLE_RULES`` is the one table of these rules.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from dataclasses import dataclass, field, replace
 
 import optiremat.client._jax_internals as jx
 from optiremat.client.cost_model import aval_bytes, eqn_flops
+from optiremat.client.extract.cond import cond_rule
 from optiremat.client.extract.known import scan_carry_known
 from optiremat.client.extract.state import (
     CONSTANT,
@@ -114,6 +116,11 @@ class Walker:
         """The backward pass needs the output tangents: mark what it reads."""
         sinks = [r.value for r in outs if not r.known and r.value is not None]
         self.builder.backward_reads.extend(self.tangents.live_primal_reads(sinks))
+
+    def alone(self, decide: Decide) -> Walker:
+        """A walker on a graph of its own that decides every equation by ``decide``, as
+        a cond branch is summarised: it shares nothing with this walk."""
+        return Walker(GraphBuilder(), decide, decide)
 
     # ---- the walk ---------------------------------------------------------
 
@@ -260,11 +267,12 @@ class Walker:
 
 
 WalkRule = Callable[[Walker, jx.core.JaxprEqn, Sequence[Ref], Context], list[Ref]]
-# The rule of each role; client.extract.cond adds Role.COND's.
+# The rule of each role but PLAIN (a plain equation is a node, or staged).
 ROLE_RULES: dict[Role, WalkRule] = {
     Role.CALL: Walker.call_rule,
     Role.CHECKPOINT: Walker.checkpoint_rule,
     Role.SCAN: Walker.scan_rule,
+    Role.COND: cond_rule,
     Role.WHILE: Walker.while_rule,
 }
 
