@@ -4,7 +4,9 @@ On a mesh a budget is the peak one device holds, so every byte in a step's graph
 is a per-device shard. The arguments' shardings are read from the arguments
 themselves (``jax.Array.sharding``, ``jax.ShapeDtypeStruct(..., sharding=...)``);
 an intermediate's is propagated through the jaxpr by per-primitive rules
-(``client.sharding_rules``).
+(``client.sharding_rules``). A step on one device has the null layout
+(``SingleDevice``: every value whole, nothing moved), so no caller tests for a mesh:
+``Layout.value_bytes`` weighs every value of a graph either way.
 
 A *spec* is, per dimension, the mesh axes splitting it (``()``: whole on every
 device); a value's per-device shape rounds each split dimension up, as XLA pads an
@@ -14,28 +16,103 @@ uneven shard.
 from __future__ import annotations
 
 import math
+from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, ClassVar
 
 import jax
 
+from optiremat.client.cost_model import aval_bytes
+from optiremat.client.sharding_rules import Spec, collective_bytes, propagate, spec_of
 from optiremat.solver.errors import OptirematError
-
-Spec = tuple[tuple[str, ...], ...]
+from optiremat.solver.graph import DeviceMesh
 
 
 class ShardingError(OptirematError, ValueError):
     """An argument's sharding that no mesh of this host can hold; names the argument."""
 
 
+class Layout(ABC):
+    """Where a step's values live: what one device holds of each, the sharding to place
+    one by, what an equation moves between devices. ``SingleDevice`` is the null layout
+    (every value whole, nothing moved), so that callers never ask which one they have."""
+
+    argument_specs: tuple[Spec | None, ...]  # per flat argument
+    on_mesh: ClassVar[bool]
+
+    @abstractmethod
+    def shard_shape(self, shape: Sequence[int], spec: Spec | None) -> tuple[int, ...]:
+        """One device's block of an array of ``shape`` split as ``spec`` says."""
+
+    def value_bytes(self, aval: Any, spec: Spec | None) -> int:
+        """Bytes of one device's block of a value of ``aval`` split as ``spec`` says: what
+        a value weighs everywhere in a graph."""
+        whole = aval_bytes(aval)
+        shape = tuple(getattr(aval, "shape", ()))
+        if not spec or not shape or whole == 0:
+            return whole
+        return whole // math.prod(shape) * math.prod(self.shard_shape(shape, spec))
+
+    @abstractmethod
+    def sharding(self, spec: Spec | None) -> Any:
+        """What to place a value split as ``spec`` by (``ShapeDtypeStruct(sharding=)``)."""
+
+    @abstractmethod
+    def variable_specs(self, jaxpr: Any, input_specs: Sequence[Spec | None]) -> dict:
+        """Each variable's spec in ``jaxpr`` (inner jaxprs' too) given its inputs'."""
+
+    @abstractmethod
+    def moved_bytes(self, eqn: Any, specs: dict) -> int:
+        """Bytes one device moves over the interconnect when ``eqn`` runs once."""
+
+    @abstractmethod
+    def device_mesh(self) -> DeviceMesh | None:
+        """The mesh as a graph records it."""
+
+    @abstractmethod
+    def devices(self) -> list:
+        """The devices the step runs on."""
+
+
 @dataclass(frozen=True)
-class MeshLayout:
+class SingleDevice(Layout):
+    """One device: every value whole there, nothing moved, no mesh recorded."""
+
+    # Not compared: one device is one device (calibrations of a region are shared).
+    argument_specs: tuple[Spec | None, ...] = field(default=(), compare=False)
+    on_mesh: ClassVar[bool] = False
+
+    def shard_shape(self, shape: Sequence[int], spec: Spec | None) -> tuple[int, ...]:
+        return tuple(shape)
+
+    def sharding(self, spec: Spec | None) -> None:
+        return None
+
+    def variable_specs(self, jaxpr: Any, input_specs: Sequence[Spec | None]) -> dict:
+        return {}
+
+    def moved_bytes(self, eqn: Any, specs: dict) -> int:
+        return 0
+
+    def device_mesh(self) -> None:
+        return None
+
+    def devices(self) -> list:
+        return [jax.devices()[0]]
+
+
+ONE_DEVICE = SingleDevice()
+
+
+@dataclass(frozen=True)
+class MeshLayout(Layout):
     """The mesh the step runs on (axis names and sizes) and a spec per flat argument."""
 
     axes: tuple[tuple[str, int], ...]
-    argument_specs: tuple[Spec, ...]
+    argument_specs: tuple[Spec | None, ...]
     mesh: Any = field(default=None, compare=False)  # the jax Mesh itself, to place by
+    on_mesh: ClassVar[bool] = True
 
     def sharding(self, spec: Spec | None) -> Any:
         """The ``NamedSharding`` of ``spec`` on this mesh (whole on every device: None)."""
@@ -46,45 +123,28 @@ class MeshLayout:
     def sizes(self) -> dict[str, int]:
         return dict(self.axes)
 
-    @property
-    def devices(self) -> int:
-        return math.prod(size for _, size in self.axes)
-
     def shard_shape(self, shape: Sequence[int], spec: Spec | None) -> tuple[int, ...]:
-        """One device's block of an array of ``shape`` split as ``spec`` says."""
         if not spec:
             return tuple(shape)
         sizes = self.sizes
         return tuple(-(-int(d) // math.prod(sizes[a] for a in axes))
                      for d, axes in zip(shape, spec, strict=True))
 
-    def shard_bytes(self, aval: Any, spec: Spec | None) -> int:
-        """Bytes of one device's block of a value of ``aval``."""
-        from optiremat.client.cost_model import aval_bytes
+    def variable_specs(self, jaxpr: Any, input_specs: Sequence[Spec | None]) -> dict:
+        return propagate(jaxpr, input_specs, self.sizes)[1]
 
-        whole = aval_bytes(aval)
-        shape = tuple(getattr(aval, "shape", ()))
-        if not spec or not shape or whole == 0:
-            return whole
-        return whole // math.prod(shape) * math.prod(self.shard_shape(shape, spec))
+    def moved_bytes(self, eqn: Any, specs: dict) -> int:
+        return collective_bytes(eqn, specs, self)
 
+    def device_mesh(self) -> DeviceMesh:
+        return DeviceMesh.of(self.axes)
 
-def spec_of(sharding: Any, ndim: int) -> Spec:
-    """Per dimension, the mesh axes of a ``NamedSharding``'s partition spec."""
-    entries = list(sharding.spec) + [None] * (ndim - len(sharding.spec))
-    out: list[tuple[str, ...]] = []
-    for entry in entries[:ndim]:
-        if entry is None:
-            out.append(())
-        elif isinstance(entry, str):
-            out.append((entry,))
-        else:
-            out.append(tuple(entry))
-    return tuple(out)
+    def devices(self) -> list:
+        return list(self.mesh.devices.flat)
 
 
-def mesh_layout(flat_args: Sequence, names: Sequence[str]) -> MeshLayout | None:
-    """The mesh the arguments are placed on and their specs; None on one device.
+def mesh_layout(flat_args: Sequence, names: Sequence[str]) -> Layout:
+    """The mesh the arguments are placed on and their specs (on one device, ``SingleDevice``).
 
     Every ``NamedSharding`` among the arguments must name one mesh (the same axis
     names and sizes), the host must have its devices, and a spec may only name its
@@ -128,7 +188,7 @@ def mesh_layout(flat_args: Sequence, names: Sequence[str]) -> MeshLayout | None:
                     raise ShardingError(f"argument {name} is sharded over axis {axis!r}, "
                                         f"which its mesh {dict(here)} lacks")
     if axes is None:
-        return None
+        return SingleDevice((None,) * len(flat_args))
     specs = tuple(spec_of(s, len(getattr(leaf, "shape", ())))
                   if isinstance(s, jax.sharding.NamedSharding) else ()
                   for leaf, s in zip(flat_args, shardings, strict=True))

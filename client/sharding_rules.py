@@ -23,11 +23,16 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import optiremat.client._jax_internals as jx
 from optiremat.client.primitives import Role, body, info
-from optiremat.client.sharding import MeshLayout, Spec, spec_of
+
+if TYPE_CHECKING:  # a mesh's layout reads its specs here: client.sharding imports this
+    from optiremat.client.sharding import MeshLayout
+
+# Per dimension, the mesh axes splitting it (``()``: whole on every device).
+Spec = tuple[tuple[str, ...], ...]
 
 _lax = jx.lax_ops
 
@@ -35,6 +40,20 @@ _lax = jx.lax_ops
 REDUCTIONS: frozenset[jx.core.Primitive] = frozenset({
     _lax.reduce_sum_p, _lax.reduce_max_p, _lax.reduce_min_p, _lax.reduce_prod_p,
     _lax.reduce_and_p, _lax.reduce_or_p, _lax.reduce_xor_p, _lax.argmax_p, _lax.argmin_p})
+
+
+def spec_of(sharding: Any, ndim: int) -> Spec:
+    """Per dimension, the mesh axes of a ``NamedSharding``'s partition spec."""
+    entries = list(sharding.spec) + [None] * (ndim - len(sharding.spec))
+    out: list[tuple[str, ...]] = []
+    for entry in entries[:ndim]:
+        if entry is None:
+            out.append(())
+        elif isinstance(entry, str):
+            out.append((entry,))
+        else:
+            out.append(tuple(entry))
+    return tuple(out)
 
 
 def _dedupe(spec: Sequence[tuple[str, ...]]) -> Spec:
@@ -305,7 +324,7 @@ def propagate(jaxpr: jx.Jaxpr, specs: Sequence[Spec | None], sizes: dict[str, in
 # ---- collectives: the bytes a primitive moves -----------------------------------------
 
 # specs: each variable's spec (``propagate``'s environment).
-CollectiveRule = Callable[[Any, dict, MeshLayout], int]
+CollectiveRule = Callable[[Any, dict, "MeshLayout"], int]
 
 
 def _spec(x: Any, specs: dict) -> Spec | None:
@@ -319,7 +338,7 @@ def _all_reduce(eqn: Any, split: set[str], specs: dict, layout: MeshLayout) -> i
         return 0
     out = eqn.outvars[0]
     k = math.prod(layout.sizes[a] for a in split)
-    return 2 * (k - 1) * layout.shard_bytes(out.aval, _spec(out, specs)) // k
+    return 2 * (k - 1) * layout.value_bytes(out.aval, _spec(out, specs)) // k
 
 
 def _contracted(eqn: Any, specs: dict, layout: MeshLayout) -> int:
@@ -352,7 +371,7 @@ def _regathered(eqn: Any, specs: dict, layout: MeshLayout) -> int:
         return 0
     held = math.prod(layout.shard_shape(_shape(src), _spec(src, specs)))
     wanted = math.prod(layout.shard_shape(_shape(out), _spec(out, specs)))
-    block = layout.shard_bytes(out.aval, _spec(out, specs))
+    block = layout.value_bytes(out.aval, _spec(out, specs))
     return block * (wanted - held) // wanted if wanted > held else 0
 
 

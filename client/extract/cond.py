@@ -18,7 +18,6 @@ import jax
 import numpy as np
 
 import optiremat.client._jax_internals as jx
-from optiremat.client.cost_model import aval_bytes
 from optiremat.client.extract.state import (
     Context,
     Decide,
@@ -175,7 +174,8 @@ class BranchSummary:
             if not ref.known:
                 ins.append(Ref(walker.tangents.node([], [], 1)[0], False))
                 continue
-            v = b.input(aval_bytes(var.aval), shape(var), str(getattr(var.aval, "dtype", "")))
+            v = b.input(walker.layout.value_bytes(var.aval, None), shape(var),
+                        str(getattr(var.aval, "dtype", "")))
             operand_inputs[v] = i
             ins.append(Ref(v, True))
         outs = walker.walk(jaxpr, ins, Context(decide=decide))

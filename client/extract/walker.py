@@ -16,7 +16,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 
 import optiremat.client._jax_internals as jx
-from optiremat.client.cost_model import aval_bytes, eqn_flops
+from optiremat.client.cost_model import eqn_flops
 from optiremat.client.extract.cond import cond_rule
 from optiremat.client.extract.known import scan_carry_known
 from optiremat.client.extract.state import (
@@ -33,8 +33,7 @@ from optiremat.client.extract.state import (
 from optiremat.client.keys import policy_key
 from optiremat.client.peak.finding import RegionMarker
 from optiremat.client.primitives import Role, body, info, unknown_body
-from optiremat.client.sharding import MeshLayout
-from optiremat.client.sharding_rules import collective_bytes
+from optiremat.client.sharding import ONE_DEVICE, Layout
 from optiremat.solver.graph import GraphBuilder, NodeMode
 
 
@@ -54,18 +53,16 @@ class Walker:
     # residuals for the backward pass: each costs about its size again (bench/peak.py);
     # whether it does is asked of XLA (``widens_stacked_halves``).
     widen_stacked_halves: bool = False
-    # On a mesh: its layout, and each variable's spec (``client.sharding_rules.propagate``),
-    # so that a value weighs what one device holds of it.
-    layout: MeshLayout | None = None
+    # Its layout, and each variable's spec on a mesh (``Layout.variable_specs``), so that
+    # a value weighs what one device holds of it.
+    layout: Layout = ONE_DEVICE
     specs: dict = field(default_factory=dict)
 
     # ---- values and nodes -------------------------------------------------
 
     def new_value(self, aval, varying: frozenset[int], ctx: Context, var=None) -> int:
         copies = ctx.stacked(varying)
-        one = (aval_bytes(aval) if self.layout is None or var is None
-               else self.layout.shard_bytes(aval, self.specs.get(var)))
-        nbytes = one * copies
+        nbytes = self.layout.value_bytes(aval, self.specs.get(var)) * copies
         dtype = str(getattr(aval, "dtype", ""))
         widened = self.widen_stacked_halves and copies > 1 and dtype in HALF_FLOATS
         stacked_by = ctx.region if ctx.region_loop in varying else None
@@ -76,7 +73,7 @@ class Walker:
              flops: int) -> list[Ref]:
         varying = frozenset().union(*(r.varying for r in ins))
         values = [self.new_value(v.aval, varying, ctx, v) for v in eqn.outvars]
-        moved = 0 if self.layout is None else collective_bytes(eqn, self.specs, self.layout)
+        moved = self.layout.moved_bytes(eqn, self.specs)
         self.builder.node(
             eqn.primitive.name,
             [r.value for r in ins if r.value is not None],
