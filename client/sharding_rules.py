@@ -26,7 +26,7 @@ from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 import optiremat.client._jax_internals as jx
-from optiremat.client.primitives import Role, body, info
+from optiremat.client.interpreter import Analysis, ControlFlow, interpret
 
 if TYPE_CHECKING:  # a mesh's layout reads its specs here: client.sharding imports this
     from optiremat.client.sharding import MeshLayout
@@ -274,51 +274,43 @@ def _equation(eqn: Any, ins: list[Spec | None], sizes: dict[str, int]) -> list[S
     return _elementwise(eqn, ins) if outs is None else outs
 
 
+class _Specs(Analysis):
+    """Each variable's spec (None: not split, or not known to be); one environment
+    across inner jaxprs, by variable (a scan body's per iteration)."""
+
+    def __init__(self, sizes: dict[str, int], env: dict) -> None:
+        self.sizes, self.env = sizes, env
+
+    def read(self, env: dict, x: Any) -> Spec | None:
+        return None if isinstance(x, jx.Literal) else env.get(x)
+
+    def scope(self, jaxpr: jx.Jaxpr) -> tuple[set, set]:
+        return set(), set(jaxpr.invars)  # the variables broadcast_in_dim makes here; inputs
+
+    def equation(self, eqn: Any, ins: list, env: dict, scope: tuple[set, set]) -> list:
+        broadcasts, inputs = scope
+        outs = list(_equation(eqn, ins, self.sizes))
+        if eqn.primitive is _lax.dot_general_p:
+            _match_batch(eqn, ins, env, inputs)
+        elif eqn.primitive is _lax.broadcast_in_dim_p:
+            broadcasts.add(eqn.outvars[0])
+        elif eqn.primitive not in SPEC_RULES and outs and outs[0] and any(outs[0]):
+            _split_broadcasts(eqn, outs[0], env, broadcasts)
+        return outs
+
+    def control(self, flow: ControlFlow, eqn: Any, ins: list) -> list:
+        return flow.specs(self, eqn, ins)
+
+    def inner(self, jaxpr: jx.Jaxpr, ins: Sequence) -> list:
+        return interpret(self, jaxpr, ins, self.env)[0]
+
+
 def propagate(jaxpr: jx.Jaxpr, specs: Sequence[Spec | None], sizes: dict[str, int],
               into: dict | None = None) -> tuple[list[Spec | None], dict]:
     """Specs of ``jaxpr``'s outputs given its inputs', and of every variable on the way
     (inner jaxprs' too, by variable: a scan body's per iteration)."""
-    env: dict = {} if into is None else into
-    env.update((v, s) for v, s in zip(jaxpr.invars, specs, strict=True))
-    broadcasts: set = set()  # the variables broadcast_in_dim makes here
-
-    def read(x: Any) -> Spec | None:
-        return None if isinstance(x, jx.Literal) else env.get(x)
-
-    for eqn in jaxpr.eqns:
-        ins = [read(x) for x in eqn.invars]
-        role = info(eqn.primitive).role
-        outs: list[Spec | None] | None
-        if role in (Role.CALL, Role.CHECKPOINT):
-            outs, _ = propagate(body(eqn), ins, sizes, env)
-        elif role == Role.SCAN:
-            n_consts, n_carry = jx.scan_counts(eqn.params)
-            xs = [s[1:] if s else s for s in ins[n_consts + n_carry:]]
-            inner, _ = propagate(eqn.params["jaxpr"].jaxpr, [*ins[:n_consts + n_carry], *xs],
-                                 sizes, env)
-            # A carry keeps its initial split (XLA fixes a loop's state across iterations).
-            outs = [*ins[n_consts:n_consts + n_carry],
-                    *[((),) + s if s else s for s in inner[n_carry:]]]
-        elif role == Role.COND:
-            outs = None
-            for branch in eqn.params["branches"]:
-                outs, _ = propagate(branch.jaxpr, ins[1:], sizes, env)
-        elif role == Role.WHILE:
-            nc, nb = eqn.params["cond_nconsts"], eqn.params["body_nconsts"]
-            carry = ins[nc + nb:]
-            propagate(eqn.params["body_jaxpr"].jaxpr, [*ins[nc:nc + nb], *carry], sizes, env)
-            outs = carry
-        else:
-            outs = list(_equation(eqn, ins, sizes))
-            if eqn.primitive is _lax.dot_general_p:
-                _match_batch(eqn, ins, env, set(jaxpr.invars))
-            elif eqn.primitive is _lax.broadcast_in_dim_p:
-                broadcasts.add(eqn.outvars[0])
-            elif eqn.primitive not in SPEC_RULES and outs and outs[0] and any(outs[0]):
-                _split_broadcasts(eqn, outs[0], env, broadcasts)
-        assert outs is not None
-        env.update((v, s) for v, s in zip(eqn.outvars, outs, strict=True))
-    return [read(x) for x in jaxpr.outvars], env
+    analysis = _Specs(sizes, {} if into is None else into)
+    return interpret(analysis, jaxpr, specs, analysis.env)
 
 
 # ---- collectives: the bytes a primitive moves -----------------------------------------
