@@ -15,10 +15,14 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
-from typing import Any, Generic, TypeVar
+from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
 import optiremat.client._jax_internals as jx
 from optiremat.client.primitives import REGISTRY, Role, body
+
+if TYPE_CHECKING:  # the walk runs on this driver: walker.py imports this module
+    from optiremat.client.extract.state import Context, Ref
+    from optiremat.client.extract.walker import Walker
 
 T = TypeVar("T")
 
@@ -81,6 +85,10 @@ class ControlFlow(ABC):
     def specs(self, analysis: Analysis, eqn: Any, ins: list) -> list:
         """Each output's sharding spec (``client.sharding_rules``)."""
 
+    @abstractmethod
+    def walk(self, walker: Walker, eqn: Any, refs: list[Ref], ctx: Context) -> list[Ref]:
+        """The cost graph's nodes, or the backward pass's (``client.extract.walker``)."""
+
 
 class Call(ControlFlow):
     """A call (``jit``, ``closed_call``) or a nested checkpoint: its body where it stands."""
@@ -90,6 +98,17 @@ class Call(ControlFlow):
 
     def specs(self, analysis: Analysis, eqn: Any, ins: list) -> list:
         return analysis.inner(body(eqn), ins)
+
+    def walk(self, walker: Walker, eqn: Any, refs: list[Ref], ctx: Context) -> list[Ref]:
+        return walker.call_rule(eqn, refs, ctx)
+
+
+class Checkpoint(Call):
+    """A nested ``jax.checkpoint``: a call, but for the walk (flattened under a checkpoint,
+    a region of a plan's step or the user's own policy outside one)."""
+
+    def walk(self, walker: Walker, eqn: Any, refs: list[Ref], ctx: Context) -> list[Ref]:
+        return walker.checkpoint_rule(eqn, refs, ctx)
 
 
 class Scan(ControlFlow):
@@ -109,6 +128,9 @@ class Scan(ControlFlow):
         # A carry keeps its initial split (XLA fixes a loop's state across iterations).
         return [*ins[n_consts:n_consts + n_carry],
                 *[((),) + s if s else s for s in inner[n_carry:]]]
+
+    def walk(self, walker: Walker, eqn: Any, refs: list[Ref], ctx: Context) -> list[Ref]:
+        return walker.scan_rule(eqn, refs, ctx)
 
 
 def carry_fixpoint(analysis: Analysis[bool], body: jx.Jaxpr, consts: Sequence[bool],
@@ -140,6 +162,9 @@ class Cond(ControlFlow):
             outs = analysis.inner(branch.jaxpr, ins[1:])
         return outs
 
+    def walk(self, walker: Walker, eqn: Any, refs: list[Ref], ctx: Context) -> list[Ref]:
+        return walker.cond_rule(eqn, refs, ctx)
+
 
 class While(ControlFlow):
     """``lax.while_loop``: partial evaluation keeps it whole, known when all it reads is."""
@@ -153,8 +178,11 @@ class While(ControlFlow):
         analysis.inner(eqn.params["body_jaxpr"].jaxpr, [*ins[nc:nc + nb], *carry])
         return carry
 
+    def walk(self, walker: Walker, eqn: Any, refs: list[Ref], ctx: Context) -> list[Ref]:
+        return walker.while_rule(eqn, refs, ctx)
 
-_BY_ROLE: dict[Role, ControlFlow] = {Role.CALL: Call(), Role.CHECKPOINT: Call(),
+
+_BY_ROLE: dict[Role, ControlFlow] = {Role.CALL: Call(), Role.CHECKPOINT: Checkpoint(),
                                      Role.SCAN: Scan(), Role.COND: Cond(), Role.WHILE: While()}
 # Every primitive the registry gives a control-flow role (``client.primitives``).
 CONTROL_FLOW: dict[jx.core.Primitive, ControlFlow] = {

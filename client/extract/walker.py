@@ -2,22 +2,23 @@
 
 Every equation whose inputs are all known becomes a graph node (decided as
 the context says); the rest is the backward pass, recorded in the tangent
-graph. Primitives that partial evaluation treats specially get a rule, looked
-up by their role in ``client.primitives``: calls are flattened, a nested
+graph. Primitives that partial evaluation treats specially get a rule, reached
+through their object in ``client.interpreter``: calls are flattened, a nested
 checkpoint is flattened or (in a plan's step graph) hands its equations to
 the solver, a scan's body is walked once and stacked over its length, a while
 loop is one fixed node, a cond's branches are summarised alone
-(``client.extract.cond``). ``ROLE_RULES`` is the one table of these rules.
+(``client.extract.cond``). The walk is the one driver's (``interpret``).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
+from typing import Any
 
 import optiremat.client._jax_internals as jx
 from optiremat.client.cost_model import eqn_flops
-from optiremat.client.extract.cond import cond_rule
+from optiremat.client.extract.cond import cond_rule as walk_cond
 from optiremat.client.extract.known import scan_carry_known
 from optiremat.client.extract.state import (
     CONSTANT,
@@ -30,6 +31,7 @@ from optiremat.client.extract.state import (
     decide_by,
     primal_mode,
 )
+from optiremat.client.interpreter import Analysis, ControlFlow, interpret
 from optiremat.client.keys import policy_key
 from optiremat.client.peak.finding import RegionMarker
 from optiremat.client.primitives import Role, body, info, unknown_body
@@ -122,29 +124,20 @@ class Walker:
     # ---- the walk ---------------------------------------------------------
 
     def walk(self, jaxpr: jx.Jaxpr, ins: Sequence[Ref], ctx: Context) -> list[Ref]:
-        env: dict = dict(zip(jaxpr.invars, ins, strict=True))
-        env.update((v, CONSTANT) for v in jaxpr.constvars)
+        """``jaxpr``'s outputs from its inputs' refs, its equations walked under ``ctx``."""
+        return interpret(_Walk(self, ctx), jaxpr, ins)[0]
 
-        def read(x) -> Ref:
-            return CONSTANT if isinstance(x, jx.Literal) else env[x]
-
-        for eqn in jaxpr.eqns:
-            refs = [read(x) for x in eqn.invars]
-            if (inner := unknown_body(eqn)) is not None:
-                raise ExtractionError(
-                    f"{eqn.primitive.name} at {jx.source_of(eqn)} runs a jaxpr (its {inner!r}) "
-                    "that optiremat does not look inside yet, so the residuals and FLOPs of "
-                    "what runs there cannot be predicted. Plan the function it wraps (for "
-                    "shard_map: the per-shard function, with per-shard argument shapes)")
-            rule = ROLE_RULES.get(info(eqn.primitive).role)
-            if rule is not None:
-                outs = rule(self, eqn, refs, ctx)
-            elif not all(r.known for r in refs):
-                outs = self.staged(refs, len(eqn.outvars))
-            else:
-                outs = self.known_eqn(eqn, refs, ctx)
-            env.update(zip(eqn.outvars, outs, strict=True))
-        return [read(x) for x in jaxpr.outvars]
+    def plain_eqn(self, eqn, refs: Sequence[Ref], ctx: Context) -> list[Ref]:
+        """An equation that runs no jaxpr: a node when its inputs are known, else staged."""
+        if (inner := unknown_body(eqn)) is not None:
+            raise ExtractionError(
+                f"{eqn.primitive.name} at {jx.source_of(eqn)} runs a jaxpr (its {inner!r}) "
+                "that optiremat does not look inside yet, so the residuals and FLOPs of "
+                "what runs there cannot be predicted. Plan the function it wraps (for "
+                "shard_map: the per-shard function, with per-shard argument shapes)")
+        if not all(r.known for r in refs):
+            return self.staged(refs, len(eqn.outvars))
+        return self.known_eqn(eqn, refs, ctx)
 
     def known_eqn(self, eqn, refs: Sequence[Ref], ctx: Context) -> list[Ref]:
         flops = eqn_flops(eqn)
@@ -246,6 +239,12 @@ class Walker:
                                 out_vars=[var])
             results.append(Ref(v, True, varying))
         return results
+
+    # ---- cond: its branches summarised alone -------------------------------
+
+    def cond_rule(self, eqn, refs: Sequence[Ref], ctx: Context) -> list[Ref]:
+        return walk_cond(self, eqn, refs, ctx)  # client.extract.cond
+
     # ---- while: the policy is never consulted -----------------------------
 
     def while_rule(self, eqn, refs: Sequence[Ref], ctx: Context) -> list[Ref]:
@@ -263,15 +262,26 @@ class Walker:
         return [Ref(v, True, varying) for v in outs]
 
 
-WalkRule = Callable[[Walker, jx.core.JaxprEqn, Sequence[Ref], Context], list[Ref]]
-# The rule of each role but PLAIN (a plain equation is a node, or staged).
-ROLE_RULES: dict[Role, WalkRule] = {
-    Role.CALL: Walker.call_rule,
-    Role.CHECKPOINT: Walker.checkpoint_rule,
-    Role.SCAN: Walker.scan_rule,
-    Role.COND: cond_rule,
-    Role.WHILE: Walker.while_rule,
-}
+class _Walk(Analysis[Ref]):
+    """The walk on the one driver (``client.interpreter``): a ref per variable, under one
+    context; a control-flow equation is its object's ``walk`` hook (a rule above, or
+    ``client.extract.cond``'s)."""
+
+    def __init__(self, walker: Walker, ctx: Context) -> None:
+        self.walker, self.ctx = walker, ctx
+
+    def read(self, env: dict, x: Any) -> Ref:
+        return CONSTANT if isinstance(x, jx.Literal) else env[x]
+
+    def bind(self, jaxpr: jx.Jaxpr, env: dict, inputs: Sequence[Ref]) -> None:
+        super().bind(jaxpr, env, inputs)
+        env.update((v, CONSTANT) for v in jaxpr.constvars)
+
+    def equation(self, eqn: Any, ins: list[Ref], env: dict, scope: Any) -> list[Ref]:
+        return self.walker.plain_eqn(eqn, ins, self.ctx)
+
+    def control(self, flow: ControlFlow, eqn: Any, ins: list[Ref]) -> list[Ref]:
+        return flow.walk(self.walker, eqn, ins, self.ctx)
 
 
 def placed_region(body: jx.Jaxpr) -> int | None:
