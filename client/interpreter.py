@@ -2,13 +2,15 @@
 
 JAX's ``partial_eval`` walks a jaxpr once with a small environment (``read``,
 ``write``) and looks each equation's rule up in tables keyed by ``Primitive``.
-Here an *analysis* (which outputs partial evaluation finds known, each value's
-sharding spec) is a value per variable and a rule for a plain equation;
-``interpret`` is the walk they share. A primitive that runs jaxprs of its own
-(a call, a nested checkpoint, a scan, a cond, a while loop) is one
-``ControlFlow`` object, keyed by the primitive in ``CONTROL_FLOW``, with a hook
-per analysis: adding a control-flow primitive is one object, adding an analysis
-is one hook on each.
+Here an *analysis* is a value per variable and a rule for a plain equation:
+which values partial evaluation finds known (``client.extract.known``), each
+value's sharding spec (``client.sharding_rules``), the cost graph's walk
+(``client.extract.walker``), which values carry a tangent
+(``client.peak.finding``). ``interpret`` is the walk they share. A primitive that
+runs jaxprs of its own (a call, a nested checkpoint, a scan, a cond, a while
+loop) is one ``ControlFlow`` object, keyed by the primitive in ``CONTROL_FLOW``,
+with a hook per analysis: adding a control-flow primitive is one object, adding
+an analysis is one hook on each.
 """
 
 from __future__ import annotations
@@ -89,6 +91,12 @@ class ControlFlow(ABC):
     def walk(self, walker: Walker, eqn: Any, refs: list[Ref], ctx: Context) -> list[Ref]:
         """The cost graph's nodes, or the backward pass's (``client.extract.walker``)."""
 
+    def differentiated(self, analysis: Analysis[bool], eqn: Any, ins: list[bool]
+                       ) -> list[bool]:
+        """Which outputs carry a tangent (``client.peak.finding``): as a plain equation's
+        unless its body is walked where it stands."""
+        return analysis.equation(eqn, ins, {}, None)
+
 
 class Call(ControlFlow):
     """A call (``jit``, ``closed_call``) or a nested checkpoint: its body where it stands."""
@@ -102,6 +110,10 @@ class Call(ControlFlow):
     def walk(self, walker: Walker, eqn: Any, refs: list[Ref], ctx: Context) -> list[Ref]:
         return walker.call_rule(eqn, refs, ctx)
 
+    def differentiated(self, analysis: Analysis[bool], eqn: Any, ins: list[bool]
+                       ) -> list[bool]:
+        return analysis.inner(body(eqn), ins)
+
 
 class Checkpoint(Call):
     """A nested ``jax.checkpoint``: a call, but for the walk (flattened under a checkpoint,
@@ -109,6 +121,10 @@ class Checkpoint(Call):
 
     def walk(self, walker: Walker, eqn: Any, refs: list[Ref], ctx: Context) -> list[Ref]:
         return walker.checkpoint_rule(eqn, refs, ctx)
+
+    def differentiated(self, analysis: Analysis[bool], eqn: Any, ins: list[bool]
+                       ) -> list[bool]:
+        return analysis.equation(eqn, ins, {}, None)  # placement finds regions inside
 
 
 class Scan(ControlFlow):
