@@ -158,10 +158,8 @@ def _memory_budget(traced: Traced, graph: CostGraph | None, *,
         raise ValueError(f"headroom is a fraction of device memory in [0, 1), got {headroom}")
     if device_memory is not None:
         device = parse_bytes(device_memory)
-    elif traced.layout is not None:  # on a mesh, the smallest memory among its devices
-        device = min(device_memory_bytes(d) for d in traced.layout.mesh.devices.flat)
-    else:
-        device = device_memory_bytes()
+    else:  # the step's devices (a mesh's or the one): the smallest memory among them
+        device = min(device_memory_bytes(d) for d in traced.layout.devices())
     args, _ = jax.tree_util.tree_unflatten(traced.in_tree, traced.flat_args)
     params = _positions("argnums", (argnums,) if isinstance(argnums, int) else argnums, len(args))
     donated = _positions("donate_argnums", donate_argnums, len(args))

@@ -13,7 +13,9 @@ import pytest
 import tests.models as residual_corpus
 import tests.peak_models as scan_corpus
 from optiremat.client import _jax_internals as jx
+from optiremat.client.interpreter import CONTROL_FLOW
 from optiremat.client.primitives import REGISTRY, Role, info
+from optiremat.client.sharding_rules import COLLECTIVE_RULES, SPEC_RULES
 
 
 def _jax_primitives() -> dict[str, set[jx.core.Primitive]]:
@@ -41,6 +43,17 @@ def test_every_entry_is_the_primitive_jax_defines_by_that_name() -> None:
     assert len(names) == len(set(names)), "two entries for one name"
     for primitive in REGISTRY:
         assert primitive in defined.get(primitive.name, set()), primitive.name
+
+
+def test_sharding_rules_and_control_flow_are_keyed_by_the_primitives_jax_defines() -> None:
+    """As the registry is: a renamed or dropped primitive fails at import rather than
+    silently match nothing, and every primitive that runs a jaxpr of its own (a role
+    other than plain) has its control-flow object."""
+    defined = _jax_primitives()
+    for table in (SPEC_RULES, COLLECTIVE_RULES, CONTROL_FLOW):
+        for primitive in table:
+            assert primitive in defined.get(primitive.name, set()), primitive.name
+    assert set(CONTROL_FLOW) == {p for p, entry in REGISTRY.items() if entry.role != Role.PLAIN}
 
 
 def _subjaxprs(eqn) -> Iterator[jx.Jaxpr]:

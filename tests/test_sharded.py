@@ -22,7 +22,9 @@ from jax.sharding import AbstractMesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import optiremat
-from optiremat.client.sharding import Spec, propagate
+from optiremat.client.extract import trace
+from optiremat.client.sharding import SingleDevice, Spec
+from optiremat.client.sharding_rules import propagate
 from tests.service_harness import REPO
 
 # Among the suite's longest: handed out first (tests/conftest.py).
@@ -124,6 +126,18 @@ def test_the_service_solves_a_graph_on_a_mesh_as_the_client_does(
 def _loss(ws: jax.Array, x: jax.Array) -> jax.Array:
     h, _ = lax.scan(lambda h, w: (jnp.tanh(h @ w), None), x, ws)
     return jnp.sum(h)
+
+
+def test_arguments_on_one_device_have_the_null_layout() -> None:
+    """No argument on a mesh: the layout is ``SingleDevice``, where every value is whole
+    and nothing moves, and the graph records no mesh (extraction never asks which
+    layout it has)."""
+    ws, x = jnp.ones((4, 8, 8)), jnp.ones((2, 8))
+    layout = trace(_loss, (ws, x), {}).layout
+    assert isinstance(layout, SingleDevice) and not layout.on_mesh
+    assert layout.value_bytes(jax.typeof(x), (("data",), ())) == x.nbytes
+    graph = optiremat.extract_graph(_loss, ws, x)
+    assert graph.mesh is None and not any(graph.node_collective_bytes or ())
 
 
 def test_a_mesh_larger_than_the_host_is_refused_naming_the_argument() -> None:

@@ -4,8 +4,8 @@
 ``partial_eval_jaxpr_custom``: primal inputs known, tangents unknown. Every
 equation whose inputs are all known is offered to the policy; the rest is the
 backward pass. The walk (``walker``) replays that split over the JVP'd jaxpr,
-with a rule per primitive role (``client.primitives``; the cond rule in
-``cond``), and records, for every value, whether the backward pass reads it;
+with a rule per control-flow primitive (its object in ``client.interpreter``; the
+cond rule in ``cond``), and records, for every value, whether the backward pass reads it;
 ``known`` is the same analysis at the level of flags. A training step's graph
 (``client.peak.step_graph``) is walked as ``jax.vjp`` differentiates it, its
 regions' checkpoints left to the solver.

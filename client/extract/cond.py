@@ -12,12 +12,12 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import jax
 import numpy as np
 
 import optiremat.client._jax_internals as jx
-from optiremat.client.cost_model import aval_bytes
 from optiremat.client.extract.state import (
     Context,
     Decide,
@@ -27,10 +27,12 @@ from optiremat.client.extract.state import (
     fixed_save,
     primal_mode,
 )
-from optiremat.client.extract.walker import ROLE_RULES, Walker
 from optiremat.client.primitives import Role, info, shape
-from optiremat.solver.graph import CostGraph, GraphBuilder, NodeMode
+from optiremat.solver.graph import CostGraph, NodeMode
 from optiremat.solver.semantics import evaluate
+
+if TYPE_CHECKING:  # the walker's rule table names cond_rule: walker.py imports this module
+    from optiremat.client.extract.walker import Walker
 
 
 def cond_rule(walker: Walker, eqn, refs: Sequence[Ref], ctx: Context) -> list[Ref]:
@@ -57,7 +59,8 @@ def cond_rule(walker: Walker, eqn, refs: Sequence[Ref], ctx: Context) -> list[Re
     varying = frozenset().union(*(r.varying for r in refs))
     fixed: Decide = fixed_save if tied or unoffered or walker.branch_decide is None \
         else walker.branch_decide
-    saved = [BranchSummary.of(b.jaxpr, ops, fixed) for b in eqn.params["branches"]]
+    saved = [BranchSummary.of(b.jaxpr, ops, walker.alone(fixed))
+             for b in eqn.params["branches"]]
     out_known = [all(b.out_known[k] for b in saved) for k in range(len(eqn.outvars))]
     sinks = [None, *(k for k, known in enumerate(out_known) if known)]
     source = jx.source_of(eqn)
@@ -74,7 +77,7 @@ def cond_rule(walker: Walker, eqn, refs: Sequence[Ref], ctx: Context) -> list[Re
 
     token: int | None = None
     if tied:
-        recomputed = [BranchSummary.of(b.jaxpr, ops, fixed_recompute)
+        recomputed = [BranchSummary.of(b.jaxpr, ops, walker.alone(fixed_recompute))
                       for b in eqn.params["branches"]]
         operands: set[int] = set()
         flops = 0
@@ -139,9 +142,6 @@ def cond_rule(walker: Walker, eqn, refs: Sequence[Ref], ctx: Context) -> list[Re
     return results
 
 
-ROLE_RULES[Role.COND] = cond_rule
-
-
 def reject_nested_control_flow(eqn) -> None:
     for branch in eqn.params["branches"]:
         for e in branch.jaxpr.eqns:
@@ -166,15 +166,16 @@ class BranchSummary:
     _tag_of: dict[int, tuple[str, int]] = field(default_factory=dict)
 
     @classmethod
-    def of(cls, jaxpr: jx.Jaxpr, ops: Sequence[Ref], decide: Decide) -> BranchSummary:
-        b = GraphBuilder()
-        walker = Walker(b, decide, decide)
+    def of(cls, jaxpr: jx.Jaxpr, ops: Sequence[Ref], walker: Walker) -> BranchSummary:
+        """``jaxpr`` walked alone by ``walker`` (``Walker.alone``) on ``ops``."""
+        b, decide = walker.builder, walker.decide
         ins, operand_inputs = [], {}
         for i, (ref, var) in enumerate(zip(ops, jaxpr.invars, strict=True)):
             if not ref.known:
                 ins.append(Ref(walker.tangents.node([], [], 1)[0], False))
                 continue
-            v = b.input(aval_bytes(var.aval), shape(var), str(getattr(var.aval, "dtype", "")))
+            v = b.input(walker.layout.value_bytes(var.aval, None), shape(var),
+                        str(getattr(var.aval, "dtype", "")))
             operand_inputs[v] = i
             ins.append(Ref(v, True))
         outs = walker.walk(jaxpr, ins, Context(decide=decide))

@@ -8,8 +8,6 @@ from dataclasses import dataclass, field
 import jax
 
 import optiremat.client._jax_internals as jx
-import optiremat.client.extract.cond  # noqa: F401  (registers the cond rule)
-from optiremat.client.cost_model import aval_bytes
 from optiremat.client.extract.state import (
     Context,
     Ref,
@@ -20,8 +18,7 @@ from optiremat.client.extract.state import (
 )
 from optiremat.client.extract.tracing import Traced, trace
 from optiremat.client.extract.walker import Walker
-from optiremat.client.sharding import propagate
-from optiremat.solver.graph import CostGraph, DeviceMesh, GraphBuilder, NodeMode
+from optiremat.solver.graph import CostGraph, GraphBuilder, NodeMode
 from optiremat.solver.step import StepMemory
 
 
@@ -64,23 +61,21 @@ def graph_of_traced(traced: Traced, *, names: bool = False, name: str = "", step
     walker = Walker(b, decide, decide_by_names_fixed if names else None,
                      widen_stacked_halves=step_memory is not None
                      and widens_stacked_halves())
-    layout = traced.layout
-    primal_specs: list = [None] * len(traced.closed.in_avals)
-    if layout is not None:
-        # Tangents are split as their primals; constants are whole on every device.
-        primal_specs = [None] * traced.num_consts + list(layout.argument_specs)
-        tangent_specs = [s for s, nz in zip(primal_specs, nonzeros, strict=True) if nz]
-        walker.layout = layout
-        _, walker.specs = propagate(jvp, [*[None] * len(jvp_consts), *primal_specs,
-                                          *tangent_specs], layout.sizes)
-        b.mesh = DeviceMesh.of(layout.axes)
+    layout = walker.layout = traced.layout
+    # Tangents are split as their primals; constants are whole on every device.
+    primal_specs = [None] * traced.num_consts + list(layout.argument_specs)
+    tangent_specs = [s for s, nz in zip(primal_specs, nonzeros, strict=True) if nz]
+    walker.specs = layout.variable_specs(jvp, [*[None] * len(jvp_consts), *primal_specs,
+                                               *tangent_specs])
+    b.mesh = layout.device_mesh()
     refs: list[Ref] = []
     for c in jvp_consts:
         aval = jax.typeof(c)
-        refs.append(Ref(b.input(aval_bytes(aval), tuple(aval.shape), str(aval.dtype)), True))
+        refs.append(Ref(b.input(layout.value_bytes(aval, None), tuple(aval.shape),
+                                str(aval.dtype)), True))
     for aval, spec in zip(traced.closed.in_avals, primal_specs, strict=True):
-        nbytes = aval_bytes(aval) if layout is None else layout.shard_bytes(aval, spec)
-        refs.append(Ref(b.input(nbytes, tuple(aval.shape), str(aval.dtype)), True))
+        refs.append(Ref(b.input(layout.value_bytes(aval, spec), tuple(aval.shape),
+                                str(aval.dtype)), True))
     refs.extend(Ref(t, False) for t in walker.tangents.node([], [], sum(nonzeros)))
     top = Context(under_checkpoint=False) if step else Context(decide=walker.decide)
     walker.finish(walker.walk(jvp, refs, top))

@@ -9,7 +9,7 @@ import jax
 import jax.numpy as jnp
 
 import optiremat.client._jax_internals as jx
-from optiremat.client.sharding import MeshLayout, argument_names, mesh_layout
+from optiremat.client.sharding import Layout, argument_names, mesh_layout
 from optiremat.client.step import StepError
 
 
@@ -24,7 +24,7 @@ class Traced:
     out_tree: object
     num_consts: int
     flat_args: list
-    layout: MeshLayout | None = None  # the mesh the arguments are placed on, if any
+    layout: Layout  # the mesh the arguments are placed on, or one device
 
     def check_differentiable(self) -> None:
         """Refuse a function with no floating-point output: ``jax.grad`` rejects it (and

@@ -2,20 +2,23 @@
 
 Every equation whose inputs are all known becomes a graph node (decided as
 the context says); the rest is the backward pass, recorded in the tangent
-graph. Primitives that partial evaluation treats specially get a rule, looked
-up by their role in ``client.primitives``: calls are flattened, a nested
+graph. Primitives that partial evaluation treats specially get a rule, reached
+through their object in ``client.interpreter``: calls are flattened, a nested
 checkpoint is flattened or (in a plan's step graph) hands its equations to
 the solver, a scan's body is walked once and stacked over its length, a while
-loop is one fixed node; ``client.extract.cond`` registers the cond rule.
+loop is one fixed node, a cond's branches are summarised alone
+(``client.extract.cond``). The walk is the one driver's (``interpret``).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
+from typing import Any
 
 import optiremat.client._jax_internals as jx
-from optiremat.client.cost_model import aval_bytes, eqn_flops
+from optiremat.client.cost_model import eqn_flops
+from optiremat.client.extract.cond import cond_rule as walk_cond
 from optiremat.client.extract.known import scan_carry_known
 from optiremat.client.extract.state import (
     CONSTANT,
@@ -28,10 +31,11 @@ from optiremat.client.extract.state import (
     decide_by,
     primal_mode,
 )
+from optiremat.client.interpreter import Analysis, ControlFlow, interpret
 from optiremat.client.keys import policy_key
 from optiremat.client.peak.finding import RegionMarker
 from optiremat.client.primitives import Role, body, info, unknown_body
-from optiremat.client.sharding import MeshLayout, collective_bytes
+from optiremat.client.sharding import ONE_DEVICE, Layout
 from optiremat.solver.graph import GraphBuilder, NodeMode
 
 
@@ -51,18 +55,16 @@ class Walker:
     # residuals for the backward pass: each costs about its size again (bench/peak.py);
     # whether it does is asked of XLA (``widens_stacked_halves``).
     widen_stacked_halves: bool = False
-    # On a mesh: its layout, and each variable's spec (``client.sharding.propagate``),
-    # so that a value weighs what one device holds of it.
-    layout: MeshLayout | None = None
+    # Its layout, and each variable's spec on a mesh (``Layout.variable_specs``), so that
+    # a value weighs what one device holds of it.
+    layout: Layout = ONE_DEVICE
     specs: dict = field(default_factory=dict)
 
     # ---- values and nodes -------------------------------------------------
 
     def new_value(self, aval, varying: frozenset[int], ctx: Context, var=None) -> int:
         copies = ctx.stacked(varying)
-        one = (aval_bytes(aval) if self.layout is None or var is None
-               else self.layout.shard_bytes(aval, self.specs.get(var)))
-        nbytes = one * copies
+        nbytes = self.layout.value_bytes(aval, self.specs.get(var)) * copies
         dtype = str(getattr(aval, "dtype", ""))
         widened = self.widen_stacked_halves and copies > 1 and dtype in HALF_FLOATS
         stacked_by = ctx.region if ctx.region_loop in varying else None
@@ -73,7 +75,7 @@ class Walker:
              flops: int) -> list[Ref]:
         varying = frozenset().union(*(r.varying for r in ins))
         values = [self.new_value(v.aval, varying, ctx, v) for v in eqn.outvars]
-        moved = 0 if self.layout is None else collective_bytes(eqn, self.specs, self.layout)
+        moved = self.layout.moved_bytes(eqn, self.specs)
         self.builder.node(
             eqn.primitive.name,
             [r.value for r in ins if r.value is not None],
@@ -114,32 +116,28 @@ class Walker:
         sinks = [r.value for r in outs if not r.known and r.value is not None]
         self.builder.backward_reads.extend(self.tangents.live_primal_reads(sinks))
 
+    def alone(self, decide: Decide) -> Walker:
+        """A walker on a graph of its own that decides every equation by ``decide``, as
+        a cond branch is summarised: it shares nothing with this walk."""
+        return Walker(GraphBuilder(), decide, decide)
+
     # ---- the walk ---------------------------------------------------------
 
     def walk(self, jaxpr: jx.Jaxpr, ins: Sequence[Ref], ctx: Context) -> list[Ref]:
-        env: dict = dict(zip(jaxpr.invars, ins, strict=True))
-        env.update((v, CONSTANT) for v in jaxpr.constvars)
+        """``jaxpr``'s outputs from its inputs' refs, its equations walked under ``ctx``."""
+        return interpret(_Walk(self, ctx), jaxpr, ins)[0]
 
-        def read(x) -> Ref:
-            return CONSTANT if isinstance(x, jx.Literal) else env[x]
-
-        for eqn in jaxpr.eqns:
-            refs = [read(x) for x in eqn.invars]
-            if (inner := unknown_body(eqn)) is not None:
-                raise ExtractionError(
-                    f"{eqn.primitive.name} at {jx.source_of(eqn)} runs a jaxpr (its {inner!r}) "
-                    "that optiremat does not look inside yet, so the residuals and FLOPs of "
-                    "what runs there cannot be predicted. Plan the function it wraps (for "
-                    "shard_map: the per-shard function, with per-shard argument shapes)")
-            rule = ROLE_RULES.get(info(eqn.primitive).role)
-            if rule is not None:
-                outs = rule(self, eqn, refs, ctx)
-            elif not all(r.known for r in refs):
-                outs = self.staged(refs, len(eqn.outvars))
-            else:
-                outs = self.known_eqn(eqn, refs, ctx)
-            env.update(zip(eqn.outvars, outs, strict=True))
-        return [read(x) for x in jaxpr.outvars]
+    def plain_eqn(self, eqn, refs: Sequence[Ref], ctx: Context) -> list[Ref]:
+        """An equation that runs no jaxpr: a node when its inputs are known, else staged."""
+        if (inner := unknown_body(eqn)) is not None:
+            raise ExtractionError(
+                f"{eqn.primitive.name} at {jx.source_of(eqn)} runs a jaxpr (its {inner!r}) "
+                "that optiremat does not look inside yet, so the residuals and FLOPs of "
+                "what runs there cannot be predicted. Plan the function it wraps (for "
+                "shard_map: the per-shard function, with per-shard argument shapes)")
+        if not all(r.known for r in refs):
+            return self.staged(refs, len(eqn.outvars))
+        return self.known_eqn(eqn, refs, ctx)
 
     def known_eqn(self, eqn, refs: Sequence[Ref], ctx: Context) -> list[Ref]:
         flops = eqn_flops(eqn)
@@ -241,6 +239,12 @@ class Walker:
                                 out_vars=[var])
             results.append(Ref(v, True, varying))
         return results
+
+    # ---- cond: its branches summarised alone -------------------------------
+
+    def cond_rule(self, eqn, refs: Sequence[Ref], ctx: Context) -> list[Ref]:
+        return walk_cond(self, eqn, refs, ctx)  # client.extract.cond
+
     # ---- while: the policy is never consulted -----------------------------
 
     def while_rule(self, eqn, refs: Sequence[Ref], ctx: Context) -> list[Ref]:
@@ -258,14 +262,26 @@ class Walker:
         return [Ref(v, True, varying) for v in outs]
 
 
-WalkRule = Callable[[Walker, jx.core.JaxprEqn, Sequence[Ref], Context], list[Ref]]
-# The rule of each role; client.extract.cond adds Role.COND's.
-ROLE_RULES: dict[Role, WalkRule] = {
-    Role.CALL: Walker.call_rule,
-    Role.CHECKPOINT: Walker.checkpoint_rule,
-    Role.SCAN: Walker.scan_rule,
-    Role.WHILE: Walker.while_rule,
-}
+class _Walk(Analysis[Ref]):
+    """The walk on the one driver (``client.interpreter``): a ref per variable, under one
+    context; a control-flow equation is its object's ``walk`` hook (a rule above, or
+    ``client.extract.cond``'s)."""
+
+    def __init__(self, walker: Walker, ctx: Context) -> None:
+        self.walker, self.ctx = walker, ctx
+
+    def read(self, env: dict, x: Any) -> Ref:
+        return CONSTANT if isinstance(x, jx.Literal) else env[x]
+
+    def bind(self, jaxpr: jx.Jaxpr, env: dict, inputs: Sequence[Ref]) -> None:
+        super().bind(jaxpr, env, inputs)
+        env.update((v, CONSTANT) for v in jaxpr.constvars)
+
+    def equation(self, eqn: Any, ins: list[Ref], env: dict, scope: Any) -> list[Ref]:
+        return self.walker.plain_eqn(eqn, ins, self.ctx)
+
+    def control(self, flow: ControlFlow, eqn: Any, ins: list[Ref]) -> list[Ref]:
+        return flow.walk(self.walker, eqn, ins, self.ctx)
 
 
 def placed_region(body: jx.Jaxpr) -> int | None:

@@ -20,9 +20,11 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import optiremat.client._jax_internals as jx
 from optiremat.client.cost_model import aval_bytes
+from optiremat.client.interpreter import Analysis, ControlFlow, interpret
 from optiremat.client.peak.block_region import BlockRegion
 from optiremat.client.peak.regions import (
     PlacementError,
@@ -87,26 +89,25 @@ def holds_scan(eqn) -> bool:
                for sub in subjaxprs(eqn) for e in sub.eqns)
 
 
-def flags_through(jaxpr: jx.Jaxpr, flags_in: Sequence[bool]) -> tuple[list[list[bool]], dict]:
-    """Per equation, which of its inputs carry a tangent; and per variable."""
-    env = dict(zip(jaxpr.invars, flags_in, strict=True))
+class _Differentiated(Analysis[bool]):
+    """A flag per value: whether it carries a tangent (a literal, or a value made by no
+    equation here, does not)."""
 
-    def read(x) -> bool:
+    def read(self, env: dict, x: Any) -> bool:
         return False if isinstance(x, jx.Literal) else env.get(x, False)
 
-    per_eqn = []
-    for eqn in jaxpr.eqns:
-        ins = [read(x) for x in eqn.invars]
-        per_eqn.append(ins)
-        if info(eqn.primitive).role == Role.CALL:
-            inner = called(eqn).jaxpr
-            inner_ins, inner_env = flags_through(inner, ins)
-            outs = [False if isinstance(x, jx.Literal) else inner_env.get(x, False)
-                    for x in inner.outvars]
-        else:
-            outs = differentiated_outputs(eqn, ins)
-        env.update(zip(eqn.outvars, outs, strict=True))
-    return per_eqn, env
+    def equation(self, eqn: Any, ins: list[bool], env: dict, scope: Any) -> list[bool]:
+        return differentiated_outputs(eqn, ins)
+
+    def control(self, flow: ControlFlow, eqn: Any, ins: list[bool]) -> list[bool]:
+        return flow.differentiated(self, eqn, ins)
+
+
+def flags_through(jaxpr: jx.Jaxpr, flags_in: Sequence[bool]) -> tuple[list[list[bool]], dict]:
+    """Per equation, which of its inputs carry a tangent; and per variable."""
+    analysis = _Differentiated()
+    _, env = interpret(analysis, jaxpr, flags_in)
+    return [[analysis.read(env, x) for x in eqn.invars] for eqn in jaxpr.eqns], env
 
 
 @dataclass

@@ -32,9 +32,8 @@ import jax
 import jax.numpy as jnp
 
 import optiremat.client._jax_internals as jx
-from optiremat.client.cost_model import aval_bytes
 from optiremat.client.primitives import Role, info
-from optiremat.client.sharding import MeshLayout, Spec
+from optiremat.client.sharding import ONE_DEVICE, Layout, Spec
 from optiremat.solver.errors import OptirematError
 from optiremat.solver.step import REGION_NAMES, RegionFound, RegionKind, RegionMemory
 
@@ -57,8 +56,8 @@ class Region(ABC):
     end: int  # one past its last
     source: str  # its place in the user's code
     differentiated: tuple[bool, ...]  # per operand: whether it has a tangent
-    # On a mesh: its layout and, per operand (one layer's), its spec.
-    layout: MeshLayout | None = None
+    # Its layout and, per operand (one layer's), its spec (None before the step's are read).
+    layout: Layout = ONE_DEVICE
     operand_specs: tuple[Spec | None, ...] | None = None
 
     @property
@@ -112,10 +111,8 @@ class Region(ABC):
 
     def operand_bytes(self, i: int) -> int:
         """What one device holds of the ``i``-th operand (one layer's)."""
-        aval = self.operand_avals[i]
-        if self.layout is None or self.operand_specs is None:
-            return aval_bytes(aval)
-        return self.layout.shard_bytes(aval, self.operand_specs[i])
+        spec = None if self.operand_specs is None else self.operand_specs[i]
+        return self.layout.value_bytes(self.operand_avals[i], spec)
 
     @property
     def input_bytes(self) -> int:
@@ -155,8 +152,6 @@ class Region(ABC):
 
     def structs(self, avals: Sequence, specs: Sequence[Spec | None]) -> list:
         """Abstract arguments of these types, split as the step splits them on a mesh."""
-        if self.layout is None:
-            return [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in avals]
         return [jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=self.layout.sharding(s))
                 for a, s in zip(avals, specs, strict=True)]
 

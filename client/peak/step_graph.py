@@ -20,7 +20,6 @@ from optiremat.client.peak.calibration import assumed_working_bytes, calibrate_p
 from optiremat.client.peak.finding import RegionMarker, find_regions
 from optiremat.client.peak.placement import Placement, keeps_barriers, place
 from optiremat.client.peak.regions import Region
-from optiremat.client.sharding import propagate
 from optiremat.client.step import Step, StepMemoryAnalysis, lowered_memory
 from optiremat.solver.graph import CostGraph
 from optiremat.solver.step import StepMemory
@@ -61,13 +60,12 @@ def traced_step_extraction(traced: Traced, args: Sequence, step: Step, *, name: 
     flags = step.differentiated(args)
     closed = jx.ClosedJaxpr(traced.open_jaxpr, traced.consts)
     regions = tuple(find_regions(closed, flags, scopes))
-    if traced.layout is not None:  # each layer's operands split as the step splits them
-        _, specs = propagate(traced.closed.jaxpr, [*[None] * traced.num_consts,
-                                                   *traced.layout.argument_specs],
-                             traced.layout.sizes)
-        regions = tuple(replace(r, layout=traced.layout,
-                                operand_specs=tuple(specs.get(v) for v in r.operand_vars))
-                        for r in regions)
+    # Each layer's operands split as the step splits them.
+    specs = traced.layout.variable_specs(
+        traced.closed.jaxpr, [*[None] * traced.num_consts, *traced.layout.argument_specs])
+    regions = tuple(replace(r, layout=traced.layout,
+                            operand_specs=tuple(specs.get(v) for v in r.operand_vars))
+                    for r in regions)
     markers = [RegionMarker(r.index) for r in regions]
 
     def marked(*leaves):
@@ -82,7 +80,7 @@ def traced_step_extraction(traced: Traced, args: Sequence, step: Step, *, name: 
             return every_layer.evaluate(traced, jax.tree_util.tree_leaves(args), policy)
         return lowered_memory(step.function(placed).lower(*args), keeps_barriers(regions))
 
-    if traced.layout is None:
+    if not traced.layout.on_mesh:
         arguments, outputs, aliases = step.held_memory(args)
     else:
         # On a mesh the step holds each argument's shard and each gradient as its out
