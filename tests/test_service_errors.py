@@ -216,9 +216,11 @@ def test_a_rotated_key_file_takes_effect_without_a_restart(keyed_server: Server,
 def test_a_body_that_never_arrives_is_answered_408_and_the_connection_closed(
         server: Server) -> None:
     with socket.create_connection(("127.0.0.1", server.port), timeout=30) as sock:
+        # before sending: the server's deadline starts once it has the headers, which may
+        # be before sendall returns here
+        started = time.monotonic()
         sock.sendall(b"POST /v1/solve HTTP/1.1\r\nHost: 127.0.0.1\r\n"
                      b"Content-Type: application/json\r\nContent-Length: 100000\r\n\r\n")
-        started = time.monotonic()
         received = b""
         while chunk := sock.recv(65536):  # until the server closes the connection
             received += chunk
