@@ -57,6 +57,20 @@ class Analysis(ABC, Generic[T]):
         return interpret(self, jaxpr, ins)[0]
 
 
+class FixedConstants(Analysis[T]):
+    """An analysis that gives every literal and every constant one value, ``constant``
+    (known-ness: known; the walk: the constant ref)."""
+
+    constant: T
+
+    def read(self, env: dict, x: Any) -> T:
+        return self.constant if isinstance(x, jx.Literal) else env[x]
+
+    def bind(self, jaxpr: jx.Jaxpr, env: dict, inputs: Sequence[T]) -> None:
+        super().bind(jaxpr, env, inputs)
+        env.update((v, self.constant) for v in jaxpr.constvars)
+
+
 def interpret(analysis: Analysis[T], jaxpr: jx.Jaxpr, inputs: Sequence[T],
               env: dict | None = None) -> tuple[list[T], dict]:
     """``analysis`` over ``jaxpr`` from its inputs' values: its outputs', and the

@@ -15,18 +15,13 @@ from typing import Any
 
 import optiremat.client._jax_internals as jx
 from optiremat.client.extract.state import Ref
-from optiremat.client.interpreter import Analysis, ControlFlow, carry_fixpoint, interpret
+from optiremat.client.interpreter import ControlFlow, FixedConstants, carry_fixpoint, interpret
 
 
-class _Known(Analysis[bool]):
+class _Known(FixedConstants[bool]):
     """A flag per value: known (primal) or not; constants and literals are known."""
 
-    def read(self, env: dict, x: Any) -> bool:
-        return True if isinstance(x, jx.Literal) else env[x]
-
-    def bind(self, jaxpr: jx.Jaxpr, env: dict, inputs: Sequence[bool]) -> None:
-        super().bind(jaxpr, env, inputs)
-        env.update((v, True) for v in jaxpr.constvars)
+    constant = True
 
     def equation(self, eqn: Any, ins: list[bool], env: dict, scope: Any) -> list[bool]:
         return [all(ins)] * len(eqn.outvars)

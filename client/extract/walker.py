@@ -31,7 +31,7 @@ from optiremat.client.extract.state import (
     decide_by,
     primal_mode,
 )
-from optiremat.client.interpreter import Analysis, ControlFlow, interpret
+from optiremat.client.interpreter import ControlFlow, FixedConstants, interpret
 from optiremat.client.keys import policy_key
 from optiremat.client.peak.finding import RegionMarker
 from optiremat.client.primitives import Role, body, info, unknown_body
@@ -262,20 +262,15 @@ class Walker:
         return [Ref(v, True, varying) for v in outs]
 
 
-class _Walk(Analysis[Ref]):
+class _Walk(FixedConstants[Ref]):
     """The walk on the one driver (``client.interpreter``): a ref per variable, under one
     context; a control-flow equation is its object's ``walk`` hook (a rule above, or
     ``client.extract.cond``'s)."""
 
+    constant = CONSTANT
+
     def __init__(self, walker: Walker, ctx: Context) -> None:
         self.walker, self.ctx = walker, ctx
-
-    def read(self, env: dict, x: Any) -> Ref:
-        return CONSTANT if isinstance(x, jx.Literal) else env[x]
-
-    def bind(self, jaxpr: jx.Jaxpr, env: dict, inputs: Sequence[Ref]) -> None:
-        super().bind(jaxpr, env, inputs)
-        env.update((v, CONSTANT) for v in jaxpr.constvars)
 
     def equation(self, eqn: Any, ins: list[Ref], env: dict, scope: Any) -> list[Ref]:
         return self.walker.plain_eqn(eqn, ins, self.ctx)
