@@ -176,8 +176,6 @@ class BodyDecodingMiddleware:
     def __init__(self, app: ASGIApp, settings: Settings) -> None:
         self.app = app
         self.settings = settings
-        self.max_body_bytes = settings.max_body_bytes
-        self.body_timeout_s = settings.body_timeout_s
         self.releaser = MemoryReleaser()
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -187,12 +185,12 @@ class BodyDecodingMiddleware:
         try:
             # A client that announces a body and sends it slowly, or not at all, would
             # hold its connection and the body read so far for as long as it likes.
-            async with asyncio.timeout(self.body_timeout_s):
+            async with asyncio.timeout(self.settings.body_timeout_s):
                 body = await self._read(scope, receive)
         except TimeoutError:
             await self._send_problem(scope, send, _Reject(
                 408, "Request timeout",
-                f"the request body did not arrive within {self.body_timeout_s:g} s "
+                f"the request body did not arrive within {self.settings.body_timeout_s:g} s "
                 "(OPTIREMAT_BODY_TIMEOUT_S)", headers=[(b"connection", b"close")]))
             return
         except _Reject as reject:
@@ -238,7 +236,7 @@ class BodyDecodingMiddleware:
         return False
 
     async def _read(self, scope: Scope, receive: Receive) -> bytes:
-        limit = self.max_body_bytes
+        limit = self.settings.max_body_bytes
         gunzip = _Gunzip(limit) if self._admitted_encoding(scope) != "identity" else None
         raw_size = 0
         parts: list[bytes] = []
@@ -264,8 +262,8 @@ class BodyDecodingMiddleware:
         """The body's Content-Encoding, once its announced length, media type and
         encoding are ones this server takes."""
         length = _header(scope, b"content-length")
-        if length is not None and length.isdigit() and int(length) > self.max_body_bytes:
-            raise _too_large(self.max_body_bytes)
+        if length is not None and length.isdigit() and int(length) > self.settings.max_body_bytes:
+            raise _too_large(self.settings.max_body_bytes)
         media_type = (_header(scope, b"content-type") or "").split(";")[0].strip().lower()
         if media_type != "application/json" and not media_type.endswith("+json"):
             raise _Reject(
