@@ -37,7 +37,7 @@ import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
 import optiremat  # noqa: E402
-from bench.peak import frontier  # noqa: E402
+from bench.frontiers import frontier  # noqa: E402
 from optiremat.client.schedule import ScheduleWarning, barriers_kept  # noqa: E402
 from optiremat.client.step import Step, lowered_peak  # noqa: E402
 from optiremat.solver.solution import InfeasibleBudgetError  # noqa: E402
