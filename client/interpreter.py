@@ -9,15 +9,19 @@ value's sharding spec (``client.sharding_rules``), the cost graph's walk
 (``client.peak.finding``). ``interpret`` is the walk they share. A primitive that
 runs jaxprs of its own (a call, a nested checkpoint, a scan, a cond, a while
 loop) is one ``ControlFlow`` object, keyed by the primitive in ``CONTROL_FLOW``,
-with a hook per analysis: adding a control-flow primitive is one object, adding
-an analysis is one hook on each.
+with a hook per analysis, and the facts the other walks ask of it (region
+finding and placement in ``client.peak``, the cond rule) declared as class
+attributes: whether its body is entered as a call, whether it is a checkpoint,
+a scan's layers, a barrier to blocks of straight-line code. Adding a
+control-flow primitive is one object, adding an analysis is one hook on each;
+no walk tests a primitive's role.
 """
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any, Generic, TypeVar
+from typing import TYPE_CHECKING, Any, ClassVar, Generic, TypeVar
 
 import optiremat.client._jax_internals as jx
 from optiremat.client.primitives import REGISTRY, Role, body
@@ -91,7 +95,28 @@ def interpret(analysis: Analysis[T], jaxpr: jx.Jaxpr, inputs: Sequence[T],
 
 
 class ControlFlow(ABC):
-    """A primitive that runs jaxprs of its own."""
+    """A primitive that runs jaxprs of its own: a hook per analysis, and the facts the
+    finding and placement of remat regions (``client.peak``) and the cond rule
+    (``client.extract.cond``) need, declared once here instead of tested by role."""
+
+    # Region finding walks its body where it stands (regions inside are the caller's),
+    # and placement evaluates it there.
+    entered: ClassVar[bool] = False
+    # A nested jax.checkpoint: the user's own is a region, inlined inside a plan's
+    # region; a plan's own is recognised by its policy (a RegionMarker).
+    checkpoint: ClassVar[bool] = False
+    # Its body runs once per layer: a differentiated one is a ScanRegion.
+    layers: ClassVar[bool] = False
+    # No block of straight-line code spans it.
+    barrier: ClassVar[bool] = False
+    # What an error calls it when a differentiated scan sits inside (its bodies run a
+    # data-dependent number of times, so a scan there has no static place).
+    unplaceable_parent: ClassVar[str | None] = None
+    # Extraction refuses it inside a cond branch, where its residuals could not be
+    # predicted exactly (the default: a new primitive is refused until it is checked).
+    refused_in_cond: ClassVar[bool] = True
+    # Why a function holding it has no region to checkpoint (None: the general reason).
+    no_regions_because: ClassVar[str | None] = None
 
     @abstractmethod
     def known(self, analysis: Analysis[bool], eqn: Any, ins: list[bool]) -> list[bool]:
@@ -115,6 +140,9 @@ class ControlFlow(ABC):
 class Call(ControlFlow):
     """A call (``jit``, ``closed_call``) or a nested checkpoint: its body where it stands."""
 
+    entered = True
+    refused_in_cond = False
+
     def known(self, analysis: Analysis[bool], eqn: Any, ins: list[bool]) -> list[bool]:
         return analysis.inner(body(eqn), ins)
 
@@ -133,6 +161,10 @@ class Checkpoint(Call):
     """A nested ``jax.checkpoint``: a call, but for the walk (flattened under a checkpoint,
     a region of a plan's step or the user's own policy outside one)."""
 
+    entered = False  # its body is not searched: a region itself, or a barrier
+    checkpoint = True
+    barrier = True
+
     def walk(self, walker: Walker, eqn: Any, refs: list[Ref], ctx: Context) -> list[Ref]:
         return walker.checkpoint_rule(eqn, refs, ctx)
 
@@ -143,6 +175,9 @@ class Checkpoint(Call):
 
 class Scan(ControlFlow):
     """``lax.scan``: consts, carry and xs; the body once per iteration."""
+
+    layers = True
+    barrier = True
 
     def known(self, analysis: Analysis[bool], eqn: Any, ins: list[bool]) -> list[bool]:
         nc, nk = jx.scan_counts(eqn.params)
@@ -180,6 +215,8 @@ def carry_fixpoint(analysis: Analysis[bool], body: jx.Jaxpr, consts: Sequence[bo
 class Cond(ControlFlow):
     """``lax.cond``: an index, then one operand list every branch reads."""
 
+    unplaceable_parent = "cond"
+
     def known(self, analysis: Analysis[bool], eqn: Any, ins: list[bool]) -> list[bool]:
         if not ins[0]:
             return [False] * len(eqn.outvars)
@@ -198,6 +235,13 @@ class Cond(ControlFlow):
 
 class While(ControlFlow):
     """``lax.while_loop``: partial evaluation keeps it whole, known when all it reads is."""
+
+    barrier = True
+    unplaceable_parent = "while_loop"
+    no_regions_because = (
+        "its only loops are while_loops (a checkpointed scan such as "
+        "eqx.internal.scan(kind='checkpointed') is one), which JAX cannot place "
+        "remat in; write the layers as lax.scan or a Python loop")
 
     def known(self, analysis: Analysis[bool], eqn: Any, ins: list[bool]) -> list[bool]:
         return [all(ins)] * len(eqn.outvars)

@@ -4,10 +4,10 @@ JAX keeps its rules per primitive in tables keyed by ``Primitive`` objects
 (``partial_eval_jaxpr_custom_rules``, ``primitive_linearizations``). One entry
 here gathers everything this project needs of one primitive, side by side:
 
-* its **role** in extraction: which walk rule of ``client.extract`` applies
-  (a plain equation, a call flattened where it stands, a nested checkpoint, a
-  scan, a cond, a while loop), and so which rule the known-outputs pass and the
-  placement of remat regions follow;
+* its **role** in extraction: a plain equation, or which control-flow object of
+  ``client.interpreter`` runs it (a call flattened where it stands, a nested
+  checkpoint, a scan, a cond, a while loop), whose hooks and declared facts the
+  walk, the known-outputs pass and the finding of remat regions follow;
 * where its **body** is (the parameter holding a call's jaxpr);
 * where JAX **offers the policy** inside it (the sub-jaxprs the names form tags);
 * its **FLOPs** (the cost model, ``client.cost_model``):

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 import optiremat
-from optiremat.client.peak.finding import find_regions
+from optiremat.client.peak.finding import find_regions, why_no_regions
 from optiremat.client.peak.placement import Placement, keeps_barriers
 from optiremat.client.peak.repeats import Run, crossing_bytes, repeated_runs
 from optiremat.client.peak.step_graph import step_extraction
@@ -195,6 +195,18 @@ def test_a_budget_no_region_can_reach_says_why() -> None:
     # At that budget: a plan whose explanation adds up (it printed a negative working set).
     plan = optiremat.optimize(single_layer, w, X, budget=err.value.min_budget_bytes)
     check_explained(plan.graph, plan.solution)
+
+
+def test_a_function_whose_only_loop_is_a_while_loop_is_told_to_write_it_as_a_scan() -> None:
+    def fun(w, x):
+        def body(carry):
+            return jnp.tanh(carry[0] @ w), carry[1] + 1
+        return jnp.mean(jax.lax.while_loop(lambda c: c[1] < 2, body, (x, 0))[0] ** 2)
+    w = jnp.ones((D, D)) * 0.01
+    closed = jax.make_jaxpr(fun)(w, X)
+    assert find_regions(closed, [True, True]) == []
+    why = why_no_regions(closed, [True, True])
+    assert why.startswith("its only loops are while_loops") and "lax.scan" in why
 
 
 def test_blocks_warn_where_this_process_would_merge_their_recomputation() -> None:

@@ -1,6 +1,7 @@
 """Bad input to the Python API gets a clear error naming what is wrong, before any solve:
 a function with no floating-point output, a scan that runs no iteration, a shard_map
-inside the step, a plan file whose decisions do not fit its graph."""
+inside the step, a scan inside a while loop or a cond branch, a plan file whose
+decisions do not fit its graph."""
 
 from __future__ import annotations
 
@@ -134,6 +135,35 @@ def test_a_shard_map_inside_the_step_is_refused_with_its_place_before_any_solve(
     with pytest.raises(optiremat.ExtractionError,
                        match=r"shard_map at .*test_user_errors\.py.* per-shard function"):
         optiremat.optimize(stack_under_shard_map, WS, X, budget="1MiB", memory=memory)
+
+
+def _layers(h: jax.Array, ws: jax.Array) -> jax.Array:
+    return lax.scan(lambda h, w: (jnp.tanh(h @ w), None), h, ws)[0]
+
+
+def test_a_scan_inside_a_while_loop_is_refused_naming_the_loop() -> None:
+    """The loop runs its body a data-dependent number of times: the scan's layers have
+    no static place (a cond's are refused the same way, ``test_peak_plans``)."""
+    def fun(ws, x):
+        def body(carry):
+            return _layers(carry[0], ws), carry[1] + 1
+        return jnp.sum(lax.while_loop(lambda c: c[1] < 2, body, (x, 0))[0])
+    with pytest.raises(optiremat.PlacementError, match="sits inside a while_loop"):
+        optiremat.optimize(fun, WS, X, budget="1MiB")
+
+
+def test_a_scan_inside_a_cond_branch_is_refused_but_a_call_there_is_walked() -> None:
+    """A scan's residuals inside a branch could not be predicted exactly; a call's body
+    is walked where it stands, as anywhere else."""
+    def scan_in_branch(ws, x, flag):
+        return jnp.sum(lax.cond(flag, lambda h: _layers(h, ws), lambda h: h, x))
+    with pytest.raises(optiremat.ExtractionError, match="scan inside a cond branch"):
+        optiremat.extract_graph(scan_in_branch, WS, X, True)
+
+    def call_in_branch(w, x, flag):
+        return jnp.sum(lax.cond(flag, jax.jit(lambda h: jnp.tanh(h @ w)), lambda h: h, x))
+    graph = optiremat.extract_graph(call_in_branch, WS[0], X, True)
+    assert "cond_branches" in graph.node_primitive
 
 
 @pytest.mark.parametrize(("option", "words"), [

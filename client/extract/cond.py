@@ -27,7 +27,8 @@ from optiremat.client.extract.state import (
     fixed_save,
     primal_mode,
 )
-from optiremat.client.primitives import Role, info, shape
+from optiremat.client.interpreter import CONTROL_FLOW
+from optiremat.client.primitives import shape
 from optiremat.solver.graph import CostGraph, NodeMode
 from optiremat.solver.semantics import evaluate
 
@@ -145,7 +146,8 @@ def cond_rule(walker: Walker, eqn, refs: Sequence[Ref], ctx: Context) -> list[Re
 def reject_nested_control_flow(eqn) -> None:
     for branch in eqn.params["branches"]:
         for e in branch.jaxpr.eqns:
-            if info(e.primitive).role in (Role.SCAN, Role.COND, Role.WHILE):
+            flow = CONTROL_FLOW.get(e.primitive)
+            if flow is not None and flow.refused_in_cond:
                 raise ExtractionError(
                     f"{e.primitive.name} inside a cond branch ({jx.source_of(eqn)}) is not "
                     "supported: its residuals could not be predicted exactly")

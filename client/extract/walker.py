@@ -31,10 +31,10 @@ from optiremat.client.extract.state import (
     decide_by,
     primal_mode,
 )
-from optiremat.client.interpreter import ControlFlow, FixedConstants, interpret
+from optiremat.client.interpreter import CONTROL_FLOW, ControlFlow, FixedConstants, interpret
 from optiremat.client.keys import policy_key
 from optiremat.client.peak.finding import RegionMarker
-from optiremat.client.primitives import Role, body, info, unknown_body
+from optiremat.client.primitives import body, unknown_body
 from optiremat.client.sharding import ONE_DEVICE, Layout
 from optiremat.solver.graph import GraphBuilder, NodeMode
 
@@ -282,8 +282,8 @@ class _Walk(FixedConstants[Ref]):
 def placed_region(body: jx.Jaxpr) -> int | None:
     """The region a scan's body was checkpointed as by ``client.peak.placement``, if any."""
     for eqn in body.eqns:
-        role = info(eqn.primitive).role
-        policy = eqn.params.get("policy") if role == Role.CHECKPOINT else None
+        flow = CONTROL_FLOW.get(eqn.primitive)
+        policy = eqn.params.get("policy") if flow is not None and flow.checkpoint else None
         if isinstance(policy, RegionMarker):
             return policy.index
     return None

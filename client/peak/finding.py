@@ -24,7 +24,7 @@ from typing import Any
 
 import optiremat.client._jax_internals as jx
 from optiremat.client.cost_model import aval_bytes
-from optiremat.client.interpreter import Analysis, ControlFlow, interpret
+from optiremat.client.interpreter import CONTROL_FLOW, Analysis, ControlFlow, interpret
 from optiremat.client.peak.block_region import BlockRegion
 from optiremat.client.peak.regions import (
     PlacementError,
@@ -36,12 +36,8 @@ from optiremat.client.peak.regions import (
 )
 from optiremat.client.peak.repeats import crossing_bytes, repeated_runs
 from optiremat.client.peak.scan_region import ScanRegion
-from optiremat.client.primitives import Role, info
 from optiremat.solver.step import RegionFound
 
-# Control flow whose body JAX may run a data-dependent number of times: a scan
-# inside one cannot be given a static place (nor a predictable peak).
-UNPLACEABLE_PARENTS = {Role.COND: "cond", Role.WHILE: "while_loop"}
 # What makes a block worth checkpointing: it holds a matmul or a convolution.
 ANCHORS = {"dot_general", "conv_general_dilated"}
 # How many of the scopes seen an error lists.
@@ -59,10 +55,16 @@ class RegionMarker:
         return jx.Recompute
 
 
+def is_scan(eqn) -> bool:
+    """Whether ``eqn`` runs its body once per layer (a ``lax.scan``)."""
+    flow = CONTROL_FLOW.get(eqn.primitive)
+    return flow is not None and flow.layers
+
+
 def is_scan_region(eqn, ins: Sequence[bool]) -> bool:
     """A differentiated scan that runs: a scan of length 0 is left as it is, for the
     extraction to refuse with its place in the user's code."""
-    return info(eqn.primitive).role == Role.SCAN and any(ins) and int(eqn.params["length"]) > 0
+    return is_scan(eqn) and any(ins) and int(eqn.params["length"]) > 0
 
 
 def subjaxprs(eqn) -> list[jx.Jaxpr]:
@@ -85,7 +87,8 @@ def holds(eqn, primitives: set[str]) -> bool:
 
 
 def holds_scan(eqn) -> bool:
-    return any(info(e.primitive).role == Role.SCAN or holds_scan(e)
+    """Whether a jaxpr ``eqn`` runs holds a scan, at any depth."""
+    return any(is_scan(e) or holds_scan(e)
                for sub in subjaxprs(eqn) for e in sub.eqns)
 
 
@@ -130,8 +133,10 @@ class _Finder:
                 i = end
                 continue
             eqn, ins = jaxpr.eqns[i], ins_of[i]
-            role = info(eqn.primitive).role
-            if role == Role.CALL:
+            flow = CONTROL_FLOW.get(eqn.primitive)
+            if flow is None:
+                pass  # a plain equation: no region inside
+            elif flow.entered:
                 self.walk(called(eqn).jaxpr, ins, (*path, i), inside,
                           _joined(prefix, str(eqn.source_info.name_stack)))
             elif is_scan_region(eqn, ins):
@@ -141,10 +146,10 @@ class _Finder:
                         f"{inside}: its layers cannot be given remat regions. Move the scan "
                         f"out of the {inside}, or plan with memory='residuals'.")
                 self.found.append(ScanRegion.of(len(self.found), path, i, eqn, ins))
-            elif role in UNPLACEABLE_PARENTS and any(ins):
+            elif flow.unplaceable_parent is not None and any(ins):
                 for sub in subjaxprs(eqn):
                     self.walk(sub, [True] * len(sub.invars), (*path, i),
-                              UNPLACEABLE_PARENTS[role])
+                              flow.unplaceable_parent)
             i += 1
 
     def block(self, jaxpr: jx.Jaxpr, start: int, end: int, how: RegionFound,
@@ -164,14 +169,12 @@ class _Finder:
         claims: dict[int, tuple[int, RegionFound]] = {}
         barrier = [False] * len(eqns)
         for i, eqn in enumerate(eqns):
-            role = info(eqn.primitive).role
-            if role == Role.CHECKPOINT:
-                barrier[i] = True
+            flow = CONTROL_FLOW.get(eqn.primitive)
+            barrier[i] = (flow is not None and flow.barrier) or holds_scan(eqn)
+            if flow is not None and flow.checkpoint:
                 user_wrote = not isinstance(eqn.params.get("policy"), RegionMarker)
                 if user_wrote and any(ins_of[i]) and not holds_scan(eqn):
                     claims[i] = (i + 1, RegionFound.CHECKPOINT)
-            elif role in (Role.SCAN, Role.WHILE) or holds_scan(eqn):
-                barrier[i] = True
         if self.scopes:
             spans = self.scoped(eqns, prefix, barrier)
             how = RegionFound.SCOPE
@@ -310,11 +313,10 @@ def find_regions(closed: jx.ClosedJaxpr, differentiated: Sequence[bool],
 def why_no_regions(closed: jx.ClosedJaxpr, differentiated: Sequence[bool]) -> str:
     """Why a function has no region to checkpoint, and what would help: for an error
     refusing a budget below its no-remat peak."""
-    kinds = {info(e.primitive).role for e in _all_eqns(closed.jaxpr)}
-    if Role.WHILE in kinds:
-        return ("its only loops are while_loops (a checkpointed scan such as "
-                "eqx.internal.scan(kind='checkpointed') is one), which JAX cannot place "
-                "remat in; write the layers as lax.scan or a Python loop")
+    for eqn in _all_eqns(closed.jaxpr):
+        flow = CONTROL_FLOW.get(eqn.primitive)
+        if flow is not None and flow.no_regions_because is not None:
+            return flow.no_regions_because
     return ("it has no differentiated lax.scan, no checkpoint of yours and no repeated "
             "block holding a matmul: write the layers as lax.scan (nn.scan, nnx.scan, "
             "eqx scans), wrap each in jax.checkpoint, or name them with "

@@ -26,11 +26,11 @@ import jax
 
 import optiremat.client._jax_internals as jx
 from optiremat.client.extract.tracing import Traced, trace
+from optiremat.client.interpreter import CONTROL_FLOW
 from optiremat.client.peak.block_region import BlockRegion
 from optiremat.client.peak.finding import RegionMarker, find_regions, flags_through
 from optiremat.client.peak.regions import PlacementError, Policy, Region, called
 from optiremat.client.peak.scan_region import LAYER_INPUT, ScanRegion, check_groups, divisors
-from optiremat.client.primitives import Role, info
 
 if TYPE_CHECKING:
     from optiremat.client.step import Step
@@ -78,7 +78,8 @@ class _Placer:
                 i = region.end
                 continue
             invals = [read(x) for x in eqn.invars]
-            if info(eqn.primitive).role == Role.CALL and (*path, i) in self.entered:
+            flow = CONTROL_FLOW.get(eqn.primitive)
+            if flow is not None and flow.entered and (*path, i) in self.entered:
                 inner = called(eqn)
                 outs = self.eval(inner.jaxpr, inner.consts, invals, ins_of[i], (*path, i))
             else:

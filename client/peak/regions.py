@@ -32,7 +32,8 @@ import jax
 import jax.numpy as jnp
 
 import optiremat.client._jax_internals as jx
-from optiremat.client.primitives import Role, info
+from optiremat.client.interpreter import CONTROL_FLOW
+from optiremat.client.primitives import info
 from optiremat.client.sharding import ONE_DEVICE, Layout, Spec
 from optiremat.solver.errors import OptirematError
 from optiremat.solver.step import REGION_NAMES, RegionFound, RegionKind, RegionMemory
@@ -182,7 +183,8 @@ def run_inlined(eqns: Sequence, env: dict) -> None:
 
     for eqn in eqns:
         invals = [read(x) for x in eqn.invars]
-        if info(eqn.primitive).role == Role.CHECKPOINT:
+        flow = CONTROL_FLOW.get(eqn.primitive)
+        if flow is not None and flow.checkpoint:
             inner = called(eqn)
             sub = dict(zip(inner.jaxpr.constvars, inner.consts, strict=True))
             sub.update(zip(inner.jaxpr.invars, invals, strict=True))
