@@ -98,7 +98,11 @@ class Solution(BaseModel):
     """A plan for one graph and budget.
 
     Everything but ``solve_seconds`` is a pure function of the request: the same
-    graph, budget and options give the same fields, bit for bit, on every host.
+    graph, budget and options give the same fields, bit for bit, on every host. A
+    refined peak plan's record (``client.peak.refine``) is one such answer, solved at a
+    shifted budget, with the client's measurement written over it: the budget asked,
+    ``working_bytes`` and the ``peak_bytes`` they make. It is the same on every host
+    whose XLA measures the same step.
     """
 
     model_config = ConfigDict(frozen=True)
