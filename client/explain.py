@@ -42,10 +42,61 @@ def explain_plan(graph: CostGraph, solution: Solution, top: int | None = 20) -> 
         lines.append(f"collectives its recomputation repeats: {format_bytes(sol.collective_bytes)} "
                      f"per device over the interconnect (priced at "
                      f"{sol.options.interconnect_bandwidth:.3g} B/s; the lower bound counts them)")
-    if sol.peak_bytes is not None:
+    if sol.layer_groups:
+        lines += ["", *layer_group_lines(graph, sol)]
+    elif sol.peak_bytes is not None:
         lines += ["", *peak_breakdown(graph, sol, evaluation), "", *lever_breakdown(graph, sol)]
     lines += ["", *_residual_table(graph, sol, evaluation, top)]
     return "\n".join(lines)
+
+
+def layer_group_lines(graph: CostGraph, solution: Solution) -> list[str]:
+    """A plan whose scan layers are planned apart: the measured peak term by term
+    (arguments, gradients, each group's residuals per layer x its layers, the rest), and
+    what each group saves beyond the first (whose policy the residual table shows)."""
+    assert solution.layer_groups and solution.peak_bytes is not None
+    step = graph.step
+    assert step is not None
+
+    def row(name: str, nbytes: int, note: str = "") -> str:
+        return f"  {name:<26}{format_bytes(nbytes):>12}  {note}".rstrip()
+
+    within = "within" if solution.peak_bytes <= solution.budget_bytes else "OVER"
+    lines = [f"peak of the training step {format_bytes(solution.peak_bytes)} measured, "
+             f"{within} the budget of {format_bytes(solution.budget_bytes)}, with the "
+             "layers planned apart:",
+             row("arguments", step.argument_bytes, "parameters and batch, the whole step"),
+             row("gradients", step.output_bytes, "the step's outputs")]
+    if step.alias_bytes:
+        lines.append(row("- donated", step.alias_bytes, "gradients written over arguments"))
+    first = set(solution.layer_groups[0].saved_keys)
+    arguments = {graph.value_index[v] for v in graph.inputs}
+    value_region = graph.value_region or [-1] * graph.num_values
+    accounted = step.held_bytes
+    start = 0
+    for group in solution.layer_groups:
+        region = step.regions[group.region]
+        keys = set(group.saved_keys)
+        saves = [k in keys for k in graph.node_key]
+        stacked = sum(graph.value_bytes[v] for v in evaluate(graph, saves).residuals
+                      if v not in arguments and value_region[v] == group.region)
+        per_layer = stacked // region.length
+        extra = keys - first
+        primitives = sorted({p for k, p in zip(graph.node_key, graph.node_primitive,
+                                               strict=True) if k in extra})
+        what = (f"also saves {len(extra)} keys ({', '.join(primitives)})" if extra
+                else "the plan's policy")
+        name = (f"layer {start}" if group.layers == 1
+                else f"layers {start}-{start + group.layers - 1}")
+        lines.append(row(f"residuals, {name}", per_layer * group.layers,
+                         f"{format_bytes(per_layer)} per layer x {group.layers} layers of the "
+                         f"{region.describe()}: {what}"))
+        accounted += per_layer * group.layers
+        start += group.layers
+    lines.append(row("+ the rest", solution.peak_bytes - accounted,
+                     "the peak phase's working set, residuals outside the layers and "
+                     "XLA's own buffers"))
+    return lines
 
 
 def peak_breakdown(graph: CostGraph, solution: Solution, evaluation: Evaluation) -> list[str]:

@@ -15,7 +15,7 @@ Both are a ``Plan``: a solution on a cost graph and the policy keys it saves.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from functools import cached_property
 from typing import ClassVar, Literal
@@ -257,8 +257,29 @@ class PeakPlan(Plan):
     def apply(self, fun: Callable) -> Callable:
         """``fun`` with each region's ``lax.scan`` body checkpointed per iteration by the
         plan's policy: ``jax.jit(jax.grad(plan.apply(loss)))`` is the whole change a user
-        makes. ``fun`` is traced once per structure and types of its arguments."""
-        return self.placement.apply(fun, self._key_policy(), self.solution.groups)
+        makes. ``fun`` is traced once per structure and types of its arguments. Where the
+        plan gives a scan's layers saves of their own (``layer_groups``), that scan runs
+        them in consecutive groups, each checkpointed by its group's policy."""
+        return self.placement.apply(fun, self._key_policy(), self.solution.groups,
+                                    self.layer_policies())
+
+    @property
+    def layer_groups(self) -> tuple[tuple[int, int, frozenset[str]], ...]:
+        """Where the plan gives a scan's layers saves of their own: per group of
+        consecutive layers, in program order, (region, layers, policy keys saved). Empty
+        where every region's layers take ``policy``."""
+        return tuple((g.region, g.layers, self._expanded(g.saved_keys))
+                     for g in self.solution.layer_groups or [])
+
+    def layer_policies(self) -> dict[int, list[tuple[int, KeyPolicy]]]:
+        """Per region whose layers are planned apart, (layers, policy) per group."""
+        policies: dict[int, list[tuple[int, KeyPolicy]]] = {}
+        for region, layers, keys in self.layer_groups:
+            policies.setdefault(region, []).append((layers, KeyPolicy(keys)))
+        return policies
+
+    def _expanded(self, keys: Sequence[str]) -> frozenset[str]:
+        return frozenset(k for key in keys for k in self.key_aliases.get(key, {key}))
 
     def verify(self, fun: Callable | None = None, *args, flops: bool = False, peak: bool = False,
                **kwargs) -> Verification:

@@ -46,6 +46,7 @@ class PlanRequest:
     auto: dict[str, Any]  # budget="auto"'s keywords (client.budget)
     options: SolveOptions  # validated here, once: every solve takes them as they are
     scopes: tuple[str, ...] = ()  # name scopes whose equations are the blocks (regions=)
+    layer_groups: bool = True  # a scan's layers may be planned apart (client.peak.mixing)
 
     @classmethod
     def of(cls, budget: int | str, tie: bool, keywords: dict[str, Any]) -> PlanRequest:
@@ -53,9 +54,13 @@ class PlanRequest:
         memory = Memory(options.pop("memory", Memory.PEAK))
         step = Step.of(options.pop("argnums", 0), options.pop("donate_argnums", ()))
         refine, scopes = options.pop("refine", True), options.pop("regions", None)
+        layer_groups = options.pop("layer_groups", True)
+        if not isinstance(layer_groups, bool):
+            raise PlanError(f"layer_groups= takes True or False, not {layer_groups!r}")
         return cls(budget=budget, memory=memory,
                    step=step, tie=tie, refine=refine, auto=auto,
-                   options=_solve_options(options), scopes=_scopes(scopes, memory))
+                   options=_solve_options(options), scopes=_scopes(scopes, memory),
+                   layer_groups=layer_groups)
 
     @property
     def offload(self) -> bool:
@@ -100,6 +105,9 @@ def optimize(fun: Callable, *args, budget: int | str, memory: Literal["peak", "r
     ``jax.checkpoint(fun)`` and a ``ResidualPlan``.
     A peak plan is ``refine``d against its own measured peak (``client.peak.refine``);
     ``refine=False`` keeps the first answer and the calibrated working sets.
+    A refined plan may give the last layers of a ``lax.scan`` more saves than the
+    first, where one policy per stack would leave the budget unused
+    (``client.peak.mixing``; ``layer_groups=False`` keeps one policy per stack).
     Other ``options`` are ``solver.SolveOptions`` fields (``time_limit_s``,
     ``relative_gap``, ``backend``; ``offload=OffloadOptions(...)`` lets a
     plan keep residuals in host memory, a peak plan its layer inputs too).

@@ -94,6 +94,18 @@ class SolveOptions(BaseModel):
         exclude_if=lambda v: v == DEFAULT_INTERCONNECT_BANDWIDTH)
 
 
+class LayerGroup(BaseModel):
+    """Consecutive layers of one scan region that a plan gives saves of their own
+    (``Solution.layer_groups``): the region, how many layers, and the policy keys they
+    save."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    region: StrictInt = Field(ge=0)
+    layers: StrictInt = Field(ge=1)
+    saved_keys: list[str]
+
+
 class Solution(BaseModel):
     """A plan for one graph and budget.
 
@@ -146,6 +158,11 @@ class Solution(BaseModel):
     # minimises recompute FLOPs plus these at ``options.interconnect_bandwidth``, so
     # ``lower_bound_flops`` and ``gap`` are then on that sum (``solver.collectives``).
     collective_bytes: StrictInt | None = Field(default=None, exclude_if=lambda v: v is None)
+    # A peak plan whose scan layers are planned apart (``client.peak.mixing``): per group
+    # of consecutive layers, in program order, the keys it saves. ``saved_keys`` and
+    # ``node_decisions`` are then the plan of the first group, which saves least;
+    # ``recompute_flops`` and ``residual_bytes`` count every group's layers.
+    layer_groups: list[LayerGroup] | None = Field(default=None, exclude_if=lambda v: v is None)
 
     @property
     def planned(self) -> bool:

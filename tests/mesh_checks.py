@@ -74,8 +74,9 @@ def same_gradients(fun: Any, plan: optiremat.Plan, args: tuple) -> bool:
     return True
 
 
-def check(model: Sharded, budgets: int = 2) -> dict:
-    """``budgets`` per-device budgets from the no-remat peak down to the smallest."""
+def check(model: Sharded, budgets: int = 2, middle: bool = False) -> dict:
+    """``budgets`` per-device budgets from the no-remat peak down to the smallest (and,
+    with ``middle``, one 30% of the way up, where a scan's layers may be planned apart)."""
     fun, args = model.loss, model.args
     step = Step.of(0)
     no_remat = lowered_memory(step.function(fun).lower(*args))
@@ -85,7 +86,10 @@ def check(model: Sharded, budgets: int = 2) -> dict:
     # Each compile of a step on 8 simulated devices takes seconds: the two ends of the
     # per-device budgets here, the budgets between are bench/sharded.py's.
     top = no_remat.peak_bytes
-    for budget in [top - (top - low) * k // (budgets - 1) for k in range(budgets)]:
+    chosen = [top - (top - low) * k // (budgets - 1) for k in range(budgets)]
+    if middle:  # where one policy per stack leaves room on both layouts (jax 0.10.2)
+        chosen.insert(1, low + (top - low) * 3 // 10)
+    for budget in chosen:
         try:
             plan = optiremat.optimize(fun, *args, budget=budget)
         except InfeasibleBudgetError as err:
@@ -98,9 +102,11 @@ def check(model: Sharded, budgets: int = 2) -> dict:
                       "flops": plan.recompute_flops,
                       "collectives": plan.collective_bytes,
                       "xla_collectives": placed.collective_bytes - no_remat.collective_bytes,
-                      # Run at the smallest budget, where the plan recomputes the most.
-                      "same_gradients": same_gradients(fun, plan, args) if budget == low
-                      else None})
+                      "layer_groups": [layers for _, layers, _ in plan.layer_groups],
+                      # Run at the smallest budget, where the plan recomputes the most, and
+                      # where the layers are planned apart.
+                      "same_gradients": same_gradients(fun, plan, args)
+                      if budget == low or plan.layer_groups else None})
     return {"no_remat": top, "low": low, "plans": plans, "graph": graph.canonical_json(),
             "mesh": [graph.mesh.axis_names, graph.mesh.axis_sizes] if graph.mesh else None,
             "schema_version": graph.schema_version,
@@ -113,11 +119,15 @@ CHECKED = ("dp", "fsdp_constrained", "tp_constrained", "lm_dp_constrained", "lm_
            "mlp_fsdp_gathered")
 
 
+# Layouts also planned between their ends, where one policy per stack leaves room.
+PLANNED_APART = ("dp", "tp_constrained")
+
+
 def main() -> None:
     names = sys.argv[1:] or list(CHECKED)
     # The gathered weights' stack compiles in a fraction of a second: three budgets.
-    out = {name: check(model_of(name), 3 if name == "mlp_fsdp_gathered" else 2)
-           for name in names}
+    out = {name: check(model_of(name), 3 if name == "mlp_fsdp_gathered" else 2,
+                       middle=name in PLANNED_APART) for name in names}
     print(json.dumps(out))
 
 

@@ -89,7 +89,8 @@ def _counting_compiles(monkeypatch: pytest.MonkeyPatch) -> list[str]:
 
 def test_explain_breaks_the_peak_down() -> None:
     fun, args = CORPUS[0].build()
-    text = optimize_mid(fun, args).explain()
+    # One policy per stack: the phases (a plan with layer groups: test_layer_groups.py).
+    text = optimize_mid(fun, args, layer_groups=False).explain()
     for part in ("peak of the training step", "arguments", "gradients", "per layer x 8 layers",
                  "working set"):
         assert part in text

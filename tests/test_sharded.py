@@ -72,6 +72,12 @@ def test_plans_on_a_mesh_predict_and_honour_per_device_budgets(checks: dict,
         moved = plan["collectives"] - plan["xla_collectives"]
         assert abs(moved) <= COLLECTIVES_TOLERANCE * result["step_collectives"], (layout, plan)
     assert result["plans"][-1]["same_gradients"] is True  # and output shardings
+    if layout in ("dp", "tp_constrained"):
+        # 30% of the way up, the 4 layers are planned apart: exact on the mesh, gradients
+        # and their shardings equal.
+        middle = result["plans"][1]
+        assert middle["layer_groups"] and sum(middle["layer_groups"]) == 4, middle
+        assert middle["predicted"] == middle["measured"] and middle["same_gradients"] is True
     at_peak = result["plans"][0]
     assert at_peak["budget"] == result["no_remat"] and at_peak["flops"] == 0
     # The smallest budget recomputes: sharded bytes leave remat work to do there.

@@ -43,6 +43,10 @@ def working_set_delta(graph: CostGraph, regions: Sequence[Region], saves: Sequen
             - BudgetView.of(graph, None, groups).held_bytes)
 
 
+# A scan's layers planned apart: per group of consecutive layers, (layers, saved keys).
+LayerSplit = tuple[tuple[int, frozenset[str]], ...]
+
+
 class PeakMeasure(Protocol):
     """What a plan's peak is, measured: how far it is from the solver's price, and the
     working set it reports."""
@@ -76,8 +80,19 @@ class StepMeasure:
 
     graph: CostGraph
     peak_of: Callable[[frozenset[str], tuple[int, ...] | None], int]
+    # The peak of the step whose one scan region has its layers planned apart
+    # (``client.peak.mixing``): per group in program order, (layers, saved keys).
+    split_peak_of: Callable[[LayerSplit], int] | None = None
     _peaks: dict[tuple[frozenset[str], tuple[int, ...] | None], int] = field(
         default_factory=dict)
+    _split_peaks: dict[LayerSplit, int] = field(default_factory=dict)
+
+    def measured_split(self, split: LayerSplit) -> int:
+        """XLA's peak of the step with the scan's layers in the groups of ``split``."""
+        assert self.split_peak_of is not None
+        if split not in self._split_peaks:
+            self._split_peaks[split] = self.split_peak_of(split)
+        return self._split_peaks[split]
 
     def measure(self, saves: Sequence[bool], keys: frozenset[str],
                 groups: Sequence[int] | None) -> tuple[int, int]:
@@ -107,15 +122,26 @@ def step_measure(fun: Callable, args: Sequence, extracted: StepExtraction,
     program is the one ``plan.apply(fun)`` lowers to, so verifying a plan compiles nothing."""
     aliases = extracted.extraction.key_aliases
 
-    def peak_of(keys: frozenset[str], groups: tuple[int, ...] | None) -> int:
-        expanded = frozenset(k for key in keys for k in aliases.get(key, {key}))
+    def expanded(keys: frozenset[str]) -> frozenset[str]:
+        return frozenset(k for key in keys for k in aliases.get(key, {key}))
 
+    def compiled_peak(evaluate: Callable[[Sequence], object]) -> int:
         @functools.wraps(fun)  # the module's name is the function's, as plan.apply's
         def applied(*args):
-            return placement.evaluate(extracted.traced, jax.tree_util.tree_leaves(args),
-                                      KeyPolicy(expanded), groups)
+            return evaluate(jax.tree_util.tree_leaves(args))
 
         return lowered_peak(placement.step.function(applied).lower(*args),
                             keeps_barriers(placement.regions))
 
-    return StepMeasure(extracted.graph, peak_of)
+    def peak_of(keys: frozenset[str], groups: tuple[int, ...] | None) -> int:
+        return compiled_peak(lambda leaves: placement.evaluate(
+            extracted.traced, leaves, KeyPolicy(expanded(keys)), groups))
+
+    def split_peak_of(split: LayerSplit) -> int:
+        (region,) = placement.regions
+        policies = [(layers, KeyPolicy(expanded(keys))) for layers, keys in split]
+        return compiled_peak(lambda leaves: placement.evaluate(
+            extracted.traced, leaves, policies[0][1], None, {region.index: policies}))
+
+    return StepMeasure(extracted.graph, peak_of,
+                       split_peak_of if len(placement.regions) == 1 else None)

@@ -18,7 +18,7 @@ signature, or the function traced differently from when it was planned.
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -30,7 +30,13 @@ from optiremat.client.interpreter import CONTROL_FLOW
 from optiremat.client.peak.block_region import BlockRegion
 from optiremat.client.peak.finding import RegionMarker, find_regions, flags_through
 from optiremat.client.peak.regions import PlacementError, Policy, Region, called
-from optiremat.client.peak.scan_region import LAYER_INPUT, ScanRegion, check_groups, divisors
+from optiremat.client.peak.scan_region import (
+    LAYER_INPUT,
+    ScanRegion,
+    check_groups,
+    check_layer_groups,
+    divisors,
+)
 
 if TYPE_CHECKING:
     from optiremat.client.step import Step
@@ -46,6 +52,8 @@ class _Placer:
     regions: Sequence[Region]
     groups: Sequence[int]  # per region: 1 checkpoints each layer; k > 1 also k groups of them
     name_inputs: bool = False  # offer each layer's input to the policy (``LAYER_INPUT``)
+    # Per region index, where its layers are planned apart: (layers, policy) per group.
+    layer_policies: Mapping[int, Sequence[tuple[int, Policy]]] = field(default_factory=dict)
     at: dict[tuple[int, ...], dict[int, Region]] = field(default_factory=dict)
     entered: set[tuple[int, ...]] = field(default_factory=set)
 
@@ -71,9 +79,14 @@ class _Placer:
             if region is not None:
                 eqns = jaxpr.eqns[i:region.end]
                 inputs, outputs = region.boundary(eqns)
-                outs = region.place(eqns, [read(x) for x in inputs],
-                                    self.policies[region.index], self.groups[region.index],
-                                    self.name_inputs)
+                invals = [read(x) for x in inputs]
+                split = self.layer_policies.get(region.index)
+                if split is not None:
+                    assert isinstance(region, ScanRegion)
+                    outs = region.place_layer_groups(eqns, invals, split, self.name_inputs)
+                else:
+                    outs = region.place(eqns, invals, self.policies[region.index],
+                                        self.groups[region.index], self.name_inputs)
                 env.update(zip(outputs, outs, strict=True))
                 i = region.end
                 continue
@@ -98,7 +111,8 @@ def keeps_barriers(regions: Sequence[Region]) -> bool:
 def place(closed: jx.ClosedJaxpr, args: Sequence, regions: Sequence[Region],
           policies: Sequence[Policy], differentiated: Sequence[bool],
           groups: Sequence[int] | None = None, name_inputs: bool = False,
-          scopes: Sequence[str] = ()) -> list:
+          scopes: Sequence[str] = (),
+          layer_policies: Mapping[int, Sequence[tuple[int, Policy]]] | None = None) -> list:
     """Evaluate ``closed`` at ``args`` with each of the planned ``regions`` checkpointed
     by its policy (and, where ``groups`` says k > 1, in k rematerialised groups of
     layers); ``differentiated`` flags the inputs that get tangents and ``scopes`` names
@@ -113,8 +127,14 @@ def place(closed: jx.ClosedJaxpr, args: Sequence, regions: Sequence[Region],
     if not len(policies) == len(groups) == len(regions):
         raise ValueError(f"{len(regions)} regions but {len(policies)} policies and "
                          f"{len(groups)} group counts")
+    layer_policies = dict(layer_policies or {})
     for region, k in zip(regions, groups, strict=True):
         check_groups(region, k)
+        if region.index in layer_policies:
+            if k != 1:
+                raise PlacementError(f"region {region.index} is nested in {k} groups: its "
+                                     "layers cannot also be planned apart")
+            check_layer_groups(region, layer_policies[region.index])
     here = _regions_in(closed, differentiated, scopes)
     if len(here) != len(regions):
         raise PlacementError(
@@ -126,7 +146,7 @@ def place(closed: jx.ClosedJaxpr, args: Sequence, regions: Sequence[Region],
                 f"the {met.describe()} does not match region {planned.index} of the plan "
                 f"(the {planned.describe()}): shapes or structure differ; plan again for "
                 "these arguments")
-    placer = _Placer(policies, here, groups, name_inputs)
+    placer = _Placer(policies, here, groups, name_inputs, layer_policies)
     return placer.eval(closed.jaxpr, closed.consts, args, differentiated)
 
 
@@ -159,11 +179,13 @@ class Placement:
     name_inputs: bool = False  # layer inputs offered to the policy (offload plans)
     scopes: tuple[str, ...] = ()  # the name scopes its blocks were found by (regions=)
 
-    def apply(self, fun: Callable, policy: Policy,
-              groups: Sequence[int] | None = None) -> Callable:
+    def apply(self, fun: Callable, policy: Policy, groups: Sequence[int] | None = None,
+              layer_policies: Mapping[int, Sequence[tuple[int, Policy]]] | None = None
+              ) -> Callable:
         """``fun`` with every region checkpointed by ``policy`` (in ``groups[r]``
-        rematerialised groups of layers where that is more than 1): same signature and
-        outputs. Like ``jax.jit``, ``fun`` is traced once per structure and types of its
+        rematerialised groups of layers where that is more than 1, and region r's layers
+        in groups of their own policies where ``layer_policies[r]`` says): same signature
+        and outputs. Like ``jax.jit``, ``fun`` is traced once per structure and types of its
         arguments and the jaxpr reused (not where it closes over another trace's values)."""
         jaxprs = TraceCache(fun)
 
@@ -175,17 +197,20 @@ class Placement:
                     f"the plan was made for {len(self.differentiated)} array arguments, the "
                     f"function got {len(traced.flat_args)}")
             return self.evaluate(traced, jax.tree_util.tree_leaves((args, kwargs)), policy,
-                                 groups)
+                                 groups, layer_policies)
 
         return placed
 
     def evaluate(self, traced: Traced, leaves: Sequence, policy: Policy,
-                 groups: Sequence[int] | None = None) -> Any:
+                 groups: Sequence[int] | None = None,
+                 layer_policies: Mapping[int, Sequence[tuple[int, Policy]]] | None = None
+                 ) -> Any:
         """``traced``'s function at the flat arguments ``leaves`` with every region
         checkpointed by ``policy``: its outputs, as the function returns them."""
         closed = jx.ClosedJaxpr(traced.open_jaxpr, traced.consts)
         out = place(closed, leaves, self.regions, [policy] * len(self.regions),
-                    self.differentiated, groups, self.name_inputs, self.scopes)
+                    self.differentiated, groups, self.name_inputs, self.scopes,
+                    layer_policies)
         return jax.tree_util.tree_unflatten(traced.out_tree, out)
 
 

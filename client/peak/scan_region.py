@@ -18,6 +18,7 @@ from jax import lax
 from jax.ad_checkpoint import checkpoint_name
 
 import optiremat.client._jax_internals as jx
+from optiremat.client.peak.layer_groups import grouped_scan
 from optiremat.client.peak.regions import (
     PlacementError,
     Policy,
@@ -112,22 +113,10 @@ class ScanRegion(Region):
     def place(self, eqns: Sequence, invals: Sequence, policy: Policy, groups: int,
               name_inputs: bool) -> list:
         (eqn,) = eqns
-        p = eqn.params
-        body, nc, nk = p["jaxpr"], self.num_consts, self.num_carry
+        p, nc, nk = eqn.params, self.num_consts, self.num_carry
         consts = list(invals[:nc])
         init, xs = list(invals[nc:nc + nk]), list(invals[nc + nk:])
-
-        def layer(*inputs):
-            if name_inputs:
-                inputs = (*inputs[:nc],
-                          *(checkpoint_name(c, LAYER_INPUT) for c in inputs[nc:nc + nk]),
-                          *inputs[nc + nk:])
-            return inline_checkpoints(body.jaxpr, body.consts, inputs)
-
-        # prevent_cse is off: the loop already keeps XLA from merging the recomputation
-        # with the forward pass, and the barrier would stop fusion across it (JAX's advice
-        # for checkpoints in scans).
-        checkpointed = jx.checkpoint(layer, policy=policy, prevent_cse=False)
+        checkpointed = self._checkpointed_layer(eqn, policy, name_inputs)
 
         def step(carry, x):
             out = checkpointed(*consts, *carry, *x)
@@ -142,6 +131,43 @@ class ScanRegion(Region):
                                      unroll=unroll)
                 return [*carry, *ys]
             return _grouped_scan(step, init, xs, self.length, groups, unroll)
+
+    def place_layer_groups(self, eqns: Sequence, invals: Sequence,
+                           layer_policies: Sequence[tuple[int, Policy]],
+                           name_inputs: bool) -> list:
+        """Evaluate the scan with its layers in consecutive groups, ``(layers, policy)``
+        in program order, each layer checkpointed by its group's policy
+        (``client.peak.layer_groups``)."""
+        (eqn,) = eqns
+        nc, nk = self.num_consts, self.num_carry
+        layers = []
+        for size, policy in layer_policies:
+            checkpointed = self._checkpointed_layer(eqn, policy, name_inputs)
+
+            def layer(k, c, x, checkpointed=checkpointed):
+                out = checkpointed(*k, *c, *x)
+                return list(out[:nk]), list(out[nk:])
+            layers.append((size, layer))
+        with jx.user_context_of(eqn):
+            carry, ys = grouped_scan(layers, invals[:nc], invals[nc:nc + nk], invals[nc + nk:],
+                                     unroll=looped_unroll(eqn.params["unroll"], self.length))
+        return [*carry, *ys]
+
+    def _checkpointed_layer(self, eqn, policy: Policy, name_inputs: bool) -> Callable:
+        """One layer, ``(*consts, *carry, *x) -> (*carry, *y)``, checkpointed by ``policy``."""
+        body, nc, nk = eqn.params["jaxpr"], self.num_consts, self.num_carry
+
+        def layer(*inputs):
+            if name_inputs:
+                inputs = (*inputs[:nc],
+                          *(checkpoint_name(c, LAYER_INPUT) for c in inputs[nc:nc + nk]),
+                          *inputs[nc + nk:])
+            return inline_checkpoints(body.jaxpr, body.consts, inputs)
+
+        # prevent_cse is off: the loop already keeps XLA from merging the recomputation
+        # with the forward pass, and the barrier would stop fusion across it (JAX's advice
+        # for checkpoints in scans).
+        return jx.checkpoint(layer, policy=policy, prevent_cse=False)
 
     def calibration_program(self, saved_keys: frozenset[str] | None,
                             policy_of: Callable[[frozenset[str] | None], Policy]
@@ -216,18 +242,35 @@ def check_groups(region: Region, groups: int) -> None:
     """Refuse a group count the region cannot take, naming the ones it can."""
     if groups == 1:
         return
-    if not isinstance(region, ScanRegion):
-        raise PlacementError(f"the {region.describe()} runs once: it cannot be nested in "
-                             "groups (groups=1)")
-    if region.reverse:
-        raise PlacementError(f"the lax.scan at {region.source} runs in reverse: its layers "
-                             "can only be checkpointed one by one (groups=1)")
+    region = _scan_running_forward(region, "it cannot be nested in groups (groups=1)",
+                                   "can only be checkpointed one by one (groups=1)")
     if groups not in divisors(region.length):
         # A remainder group slices the stacked parameters, and XLA copies the slice:
         # +45 to +58 MiB on a 64-layer stack whose nesting saves 39 MiB (bench/peak.py).
         raise PlacementError(
             f"{groups} groups of the {region.length} layers of the lax.scan at {region.source} "
             f"leave a remainder, whose slice XLA copies; it takes {divisors(region.length)}")
+
+
+def _scan_running_forward(region: Region, once: str, reversed_layers: str) -> ScanRegion:
+    """``region``, a scan running forward, or PlacementError saying why not."""
+    if not isinstance(region, ScanRegion):
+        raise PlacementError(f"the {region.describe()} runs once: {once}")
+    if region.reverse:
+        raise PlacementError(f"the lax.scan at {region.source} runs in reverse: its layers "
+                             f"{reversed_layers}")
+    return region
+
+
+def check_layer_groups(region: Region, layer_policies: Sequence[tuple[int, Any]]) -> None:
+    """Refuse layer groups the region cannot take: a scan's, running forward, whose
+    sizes add up to its length."""
+    region = _scan_running_forward(region, "its layers cannot be planned apart",
+                                   "take one policy")
+    sizes = [size for size, _ in layer_policies]
+    if any(size < 1 for size in sizes) or sum(sizes) != region.length:
+        raise PlacementError(f"layer groups of {sizes} layers do not make the "
+                             f"{region.length} layers of the lax.scan at {region.source}")
 
 
 def _grouped_scan(step: Callable, init: list, xs: list, length: int, groups: int,

@@ -1,0 +1,126 @@
+"""A scan's layers planned apart, against one policy per stack (issue 39).
+
+For each model, the one-policy frontier (``optimize(..., layer_groups=False)`` at
+budgets from the smallest to the no-remat peak, each plan's measured peak), then
+at each budget midway between two consecutive frontier points: the one-policy
+plan and the plan with layer groups, their measured peaks (XLA's
+``memory_analysis()`` of ``plan.apply(loss)``'s step), the share of the budget
+used, recompute FLOPs by the project's rule and by XLA's ``cost_analysis()`` of
+the step, and the time to plan. ``--time`` adds step times: the two plans and the
+best built-in per layer that fits the budget, interleaved runs in one process,
+medians and spread.
+
+    .venv/bin/python bench/layer_groups.py [--quick] [--time]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import jax  # noqa: E402
+
+import optiremat  # noqa: E402
+from optiremat.client.peak.placement import Placement  # noqa: E402
+from tests.peak_models import llama  # noqa: E402
+
+MiB = 2**20
+BUILTINS = ("nothing_saveable", "dots_with_no_batch_dims_saveable", "dots_saveable")
+
+
+def models(quick: bool):
+    yield "llama f32 L8 (issue 39: D 256, B 4, T 256)", llama(layers=8, batch=4, seq=256)
+    if not quick:
+        yield "llama f32 L16 (D 128, B 2, T 128)", llama(layers=16, d=128, ffn=344, heads=4,
+                                                         kv_heads=2, batch=2, seq=128)
+
+
+def step_of(fun, args):
+    return jax.jit(jax.grad(fun)).lower(*args).compile()
+
+
+def xla_flops(compiled) -> float:
+    analysis = compiled.cost_analysis()
+    analysis = analysis[0] if isinstance(analysis, list) else analysis
+    return float(analysis.get("flops", 0.0))
+
+
+def plan_at(loss, args, budget, layer_groups):
+    start = time.perf_counter()
+    plan = optiremat.optimize(loss, *args, budget=budget, layer_groups=layer_groups)
+    seconds = time.perf_counter() - start
+    compiled = step_of(plan.apply(loss), args)
+    return plan, optiremat.measured_peak(compiled), seconds, compiled
+
+
+def builtin_step(loss, args, plan, name):
+    """The step with JAX's built-in ``name`` in every layer, placed as plans are."""
+    placement: Placement = plan.placement
+    policy = getattr(jax.checkpoint_policies, name)
+    return step_of(placement.apply(loss, policy), args)
+
+
+def timed(steps: dict, args, rounds: int = 15) -> dict:
+    """Interleaved runs of each compiled step: median and spread in ms."""
+    times: dict = {name: [] for name in steps}
+    for compiled in steps.values():
+        jax.block_until_ready(compiled(*args))  # warm
+    for _ in range(rounds):
+        for name, compiled in steps.items():
+            start = time.perf_counter()
+            jax.block_until_ready(compiled(*args))
+            times[name].append((time.perf_counter() - start) * 1e3)
+    return {name: (statistics.median(t), min(t), max(t)) for name, t in times.items()}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--quick", action="store_true", help="the issue's stack only")
+    parser.add_argument("--time", action="store_true", help="time the compiled steps")
+    parser.add_argument("--points", type=int, default=6, help="frontier budgets per model")
+    ns = parser.parse_args()
+    print(f"jax {jax.__version__}, {jax.devices()[0].platform}")
+    for name, (loss, args) in models(ns.quick):
+        top = optiremat.measured_peak(step_of(loss, args))
+        low = optiremat.smallest_budget(loss, *args, layer_groups=False)
+        print(f"\n{name}: no remat {top / MiB:.2f} MiB, smallest plan {low / MiB:.2f} MiB")
+        frontier = {}
+        for i in range(ns.points):
+            budget = low + (top - low) * i // (ns.points - 1)
+            plan, peak, _, _ = plan_at(loss, args, budget, False)
+            frontier[peak] = plan.recompute_flops
+        points = sorted(frontier.items())
+        print("one-policy frontier: " + ", ".join(f"{p / MiB:.2f} MiB {f:.3g}" for p, f in points))
+        print(f"{'budget':>9} | {'one policy':>22} | {'layer groups':>30} | flops "
+              "ratio (ours, XLA) | plan time ratio")
+        for (p0, _), (p1, _) in zip(points, points[1:], strict=False):
+            budget = (p0 + p1) // 2
+            one, one_peak, one_s, one_c = plan_at(loss, args, budget, False)
+            mixed, mixed_peak, mixed_s, mixed_c = plan_at(loss, args, budget, True)
+            groups = "+".join(str(n) for _, n, _ in mixed.layer_groups) or "1 group"
+            ratio = mixed.recompute_flops / one.recompute_flops if one.recompute_flops else 1.0
+            xla = xla_flops(mixed_c) / xla_flops(one_c)
+            exact = "=" if mixed.peak_bytes == mixed_peak else "!="
+            print(f"{budget / MiB:9.2f} | {one_peak / MiB:7.2f} MiB {one.recompute_flops:9.3g} | "
+                  f"{mixed_peak / MiB:7.2f} MiB {100 * mixed_peak / budget:5.1f}% "
+                  f"{mixed.recompute_flops:9.3g} {groups:>5} | {ratio:6.3f} {xla:6.3f} "
+                  f"| {mixed_s / one_s:5.2f} (predicted {exact} measured)")
+            if ns.time:
+                steps = {"layer groups": mixed_c, "one policy": one_c}
+                for builtin in BUILTINS:
+                    compiled = builtin_step(loss, args, mixed, builtin)
+                    if optiremat.measured_peak(compiled) <= budget:
+                        steps[builtin] = compiled
+                fitting = [b for b in BUILTINS if b in steps]
+                steps = {k: v for k, v in steps.items() if k not in fitting[:-1]}
+                for label, (median, lo, hi) in timed(steps, args).items():
+                    print(f"{'':9}   step time {label}: {median:.1f} ms ({lo:.1f}-{hi:.1f})")
+
+
+if __name__ == "__main__":
+    main()
