@@ -27,6 +27,8 @@ import jax  # noqa: E402
 
 import optiremat  # noqa: E402
 from optiremat.client.peak.placement import Placement  # noqa: E402
+from tests.lm_models import CORPUS as LM_CORPUS  # noqa: E402
+from tests.peak_models import CORPUS as PEAK_CORPUS  # noqa: E402
 from tests.peak_models import llama  # noqa: E402
 
 MiB = 2**20
@@ -34,10 +36,15 @@ BUILTINS = ("nothing_saveable", "dots_with_no_batch_dims_saveable", "dots_saveab
 
 
 def models(quick: bool):
+    """The issue's stack; then the scan corpus's Llama and ViT and the LM corpus's V8k."""
     yield "llama f32 L8 (issue 39: D 256, B 4, T 256)", llama(layers=8, batch=4, seq=256)
     if not quick:
-        yield "llama f32 L16 (D 128, B 2, T 128)", llama(layers=16, d=128, ffn=344, heads=4,
-                                                         kv_heads=2, batch=2, seq=128)
+        for model in PEAK_CORPUS:
+            if model.name in ("llama_f32_L8", "vit_L12"):
+                yield model.name, model.build()
+        for lm in LM_CORPUS:
+            if lm.name == "lm_V8k":
+                yield lm.name, lm.build()
 
 
 def step_of(fun, args):

@@ -78,7 +78,9 @@ class PlanFile(BaseModel):
         return evaluate(self.graph, self.solution.kept())
 
     def policy(self) -> KeyPolicy:
-        """The policy for ``jax.checkpoint`` (tied plans only)."""
+        """The policy for ``jax.checkpoint`` (tied plans only). A plan whose scan layers
+        are planned apart (``solution.layer_groups``) gives its first group's here, the
+        one that saves least; ``layer_policies`` gives each group's."""
         from optiremat.client.policy import KeyPolicy, warn_under_remat3
 
         warn_under_remat3()
@@ -86,6 +88,15 @@ class PlanFile(BaseModel):
             raise ValueError("an untied plan has no stateless policy: re-run optimize() "
                              "for its names form")
         return KeyPolicy(self.saved_keys, self.offloaded_keys)
+
+    def layer_policies(self) -> list[tuple[int, KeyPolicy]]:
+        """Per group of a scan's layers planned apart, in program order: (layers, the
+        policy of ``jax.checkpoint`` around each of them). Empty for one policy per stack."""
+        from optiremat.client.policy import KeyPolicy
+
+        return [(group.layers, KeyPolicy(frozenset(
+                    k for key in group.saved_keys for k in self.key_aliases.get(key, [key]))))
+                for group in self.solution.layer_groups or []]
 
     def write(self, path: str | Path) -> Path:
         path = Path(path)

@@ -12,6 +12,7 @@ from jax import lax
 import optiremat
 from optiremat.client.peak.layer_groups import grouped_scan
 from optiremat.client.plan import PlanError
+from optiremat.client.planfile import PlanFile
 from optiremat.solver.solution import Solution
 from tests.peak_models import llama
 
@@ -135,6 +136,12 @@ def test_explain_names_the_groups_and_the_answer_round_trips(plans):
     again = Solution.model_validate_json(mixed.solution.model_dump_json())
     assert again.layer_groups == mixed.solution.layer_groups
     assert again.fingerprint() == mixed.solution.fingerprint()
+    # A plan file keeps the groups: each group's policy, the first's as ``policy()``.
+    written = PlanFile.of(mixed)
+    groups = written.layer_policies()
+    assert [n for n, _ in groups] == [layers for _, layers, _ in mixed.layer_groups]
+    assert [p.saved_keys for _, p in groups] == [keys for _, _, keys in mixed.layer_groups]
+    assert written.policy().saved_keys == groups[0][1].saved_keys
 
 
 def test_layer_groups_takes_a_bool(stack):

@@ -212,6 +212,8 @@ def test_peak_plans_travel_and_come_back_the_same(remote: RematClient) -> None:
     plan = remote.optimize(fun, *args, budget=budget, time_limit_s=20.0)
     assert plan.memory == "peak" and plan.peak_bytes == local.peak_bytes
     assert plan.solution.fingerprint() == local.solution.fingerprint()
+    # The stack's layers are planned apart at this budget, every solve on the server.
+    assert plan.layer_groups and plan.layer_groups == local.layer_groups
     assert plan.verify(fun, *args).exact
 
 

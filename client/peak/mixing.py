@@ -27,6 +27,7 @@ each group hoisting its own loop-invariant residuals.
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Sequence
 
 from optiremat.client.peak.measures import StepMeasure
@@ -74,7 +75,13 @@ def mixed_layers(graph: CostGraph, region: ScanRegion, answer: Solution, solve_a
         if not 0 < layers < length or layers in tried:
             break
         tried.add(layers)
-        peak = measure.measured_split(((length - layers, lean), (layers, heavy)))
+        try:
+            peak = measure.measured_split(((length - layers, lean), (layers, heavy)))
+        except Exception as err:  # the one-policy plan stands; say why it was kept
+            warnings.warn(f"the layers of the {region.describe()} could not be planned "
+                          f"apart ({type(err).__name__}: {err}); the plan keeps one policy "
+                          "per stack", RuntimeWarning, stacklevel=4)
+            break
         per_layer = max(1.0, (peak - lean_peak) / layers)  # this compile's own slope
         if peak <= budget:
             if layers > best_layers:
