@@ -27,12 +27,13 @@ from optiremat.solver.frontier import (
 from optiremat.solver.graph import CostGraph
 from optiremat.solver.peak import BudgetView
 from optiremat.solver.semantics import baseline_backward_flops, evaluate
-from optiremat.solver.solution import InfeasibleBudgetError, SolveOptions
+from optiremat.solver.solution import InfeasibleBudgetError, Solution, SolveOptions
 from optiremat.solver.solve import max_useful_budget, min_feasible_budget, resolve_options, solve
 from optiremat.solver.step import Memory
 from optiremat.solver.wire import DEFAULT_FRONTIER_POINTS, Frontier, FrontierPoint
 
 if TYPE_CHECKING:
+    from optiremat.client.peak.measures import PeakMeasure
     from optiremat.client.peak.placement import Region
 
 __all__ = [
@@ -53,7 +54,8 @@ DEFAULT_POINTS = DEFAULT_FRONTIER_POINTS
 
 def sweep(graph: CostGraph, budgets: Sequence[int] | None = None,
           count: int | None = DEFAULT_POINTS, *, also: Sequence[int] = (),
-          regions: Sequence[Region] | None = None, **options: object) -> Frontier:
+          regions: Sequence[Region] | None = None, measure: PeakMeasure | None = None,
+          **options: object) -> Frontier:
     """Solve ``graph`` once per budget: explicit ``budgets``, or ``count`` spaced ones
     from the smallest feasible budget to the largest useful one (plus the feasible
     ones in ``also``). Each solve starts from the previous budget's plan
@@ -65,7 +67,11 @@ def sweep(graph: CostGraph, budgets: Sequence[int] | None = None,
     at hand) each plan without offload is refined against its own working set, as
     ``optimize`` refines it (``client.peak.refine``): one compile of one layer per policy,
     and peaks as XLA measures them rather than as the calibrated working set prices
-    them (off by up to a fifth on the scan corpus)."""
+    them (off by up to a fifth on the scan corpus). With a ``measure`` of the whole step
+    (``client.peak.measures.step_measure``, as ``plot_function`` builds it) each plan is
+    refined against the step compiled, and where the refined plan leaves room its scan's
+    layers are planned apart as ``optimize`` plans them (``client.peak.mixing``), so that
+    the frontier moves by a layer's difference rather than a stack's."""
     resolved = resolve_options(None, dict(options))
     low = high = None
     if budgets is None:
@@ -76,7 +82,7 @@ def sweep(graph: CostGraph, budgets: Sequence[int] | None = None,
         high = max_useful_budget(graph, resolved.memory)
         budgets = spaced_budgets(low, high, count) + [b for b in also if low <= b <= high]
     if regions is not None and resolved.offload is None and graph.step is not None:
-        results = _refined(graph, regions, budgets, resolved)
+        results = _refined(graph, regions, budgets, resolved, measure)
     else:
         results = solve_budgets(graph, budgets, resolved)
     points = [FrontierPoint(**point_fields(budget, result)) for budget, result in results.items()]
@@ -85,19 +91,30 @@ def sweep(graph: CostGraph, budgets: Sequence[int] | None = None,
 
 
 def _refined(graph: CostGraph, regions: Sequence[Region], budgets: Sequence[int],
-             options: SolveOptions) -> dict[int, FrontierResult]:
+             options: SolveOptions, measure: PeakMeasure | None) -> dict[int, FrontierResult]:
     """Each budget's plan refined against its own working set (measurements are shared
-    between budgets); a budget no refined plan fits is infeasible, naming the smallest
-    measured peak."""
+    between budgets), its scan's layers planned apart where ``measure`` compiles the step;
+    a budget no refined plan fits is infeasible, naming the smallest measured peak."""
+    from optiremat.client.peak.measures import StepMeasure
+    from optiremat.client.peak.mixing import mixable, mixed_layers
     from optiremat.client.peak.refine import refined_solve
+    from optiremat.client.peak.scan_region import ScanRegion
+
+    def solve_at(b: int) -> Solution:
+        return solve(graph, b, options)
 
     results: dict[int, FrontierResult] = {}
     for budget in sorted(set(budgets)):
         try:
-            results[budget] = refined_solve(graph, regions, budget,
-                                            lambda b: solve(graph, b, options))
+            answer = refined_solve(graph, regions, budget, solve_at, measure)
         except InfeasibleBudgetError as err:
             results[budget] = err
+            continue
+        if isinstance(measure, StepMeasure) and mixable(regions, answer, measure):
+            (region,) = regions
+            assert isinstance(region, ScanRegion)
+            answer = mixed_layers(graph, region, answer, solve_at, measure)
+        results[budget] = answer
     return results
 
 

@@ -165,23 +165,30 @@ def plot_function(fun: Callable, *args: Any, path: str | Path, points: int = DEF
                   memory: str = "peak", **options: Any) -> Path:
     """Extract ``fun``, sweep ``points`` budgets locally, price the built-ins, and plot:
     peaks of the training step by default (plans and the built-ins applied per layer
-    with their own working sets measured, ``client.peak.refine``), or with
+    with their own working sets measured, ``client.peak.refine``, and a scan's layers
+    planned apart where one policy leaves room, ``client.peak.mixing``), or with
     ``memory="residuals"`` the residuals of one checkpoint around ``fun`` (the
     built-ins measured by ``saved_residuals``). With
     ``offload=OffloadOptions(...)`` the plans use all three levers and the plot is
     peak bytes against estimated step time."""
     from optiremat.client.extract import extract_graph
+    from optiremat.client.peak.measures import step_measure
+    from optiremat.client.peak.placement import Placement
     from optiremat.client.peak.step_graph import step_extraction
     from optiremat.client.step import Step
 
-    regions = None
+    regions, measure = None, None
     if memory == "peak":
         # An offload plan may offload each layer's input: named for the policy.
+        offload = options.get("offload") is not None
         extracted = step_extraction(fun, args, Step.of(0),
-                                    name=getattr(fun, "__qualname__", ""),
-                                    name_inputs=options.get("offload") is not None)
+                                    name=getattr(fun, "__qualname__", ""), name_inputs=offload)
         graph, regions = extracted.graph, extracted.regions
         builtins = graph_builtin_points(graph, regions)
+        if not offload:  # each plan measured as optimize measures it, its layers apart
+            placement = Placement(extracted.regions, extracted.differentiated, Step.of(0),
+                                  scopes=extracted.scopes)
+            measure = step_measure(fun, args, extracted, placement)
     else:
         graph = extract_graph(fun, *args)
         builtins = builtin_points(fun, *args)
@@ -189,6 +196,6 @@ def plot_function(fun: Callable, *args: Any, path: str | Path, points: int = DEF
     # where each lever starts to fit. Peak plans are refined against their own
     # working sets, as optimize refines them.
     also = [p.memory_bytes for p in builtins.values()] + lever_floors(graph, **options)
-    swept = sweep(graph, count=points, also=also, regions=regions, **options)
+    swept = sweep(graph, count=points, also=also, regions=regions, measure=measure, **options)
     title = getattr(fun, "__qualname__", "") or graph.name
     return plot_frontier(swept, path, builtins=builtins, title=title)

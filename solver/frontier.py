@@ -89,6 +89,8 @@ def point_fields(budget: int, result: FrontierResult) -> dict[str, Any]:
         fields["host_bytes"] = result.offload.host_bytes
     if planned and result.groups is not None:
         fields["groups"] = result.groups
+    if planned and result.layer_groups:
+        fields["layer_groups"] = [group.layers for group in result.layer_groups]
     return fields
 
 

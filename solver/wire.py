@@ -197,6 +197,10 @@ class FrontierPoint(BaseModel):
     groups: list[int] | None = Field(
         default=None, exclude_if=lambda v: v is None,
         description="Per region of the step, its layers in that many rematerialised groups.")
+    layer_groups: list[int] | None = Field(
+        default=None, exclude_if=lambda v: v is None,
+        description="Where the scan's layers are planned apart (a sweep with the function "
+                    "at hand): the layers of each group, in program order.")
 
     @property
     def memory_bytes(self) -> int | None:

@@ -156,3 +156,27 @@ def test_groups_must_make_the_stack(stack):
     policy = plan.policy
     with pytest.raises(optiremat.OptirematError, match="do not make the 8 layers"):
         plan.placement.apply(loss, policy, None, {0: [(3, policy), (4, policy)]})(*args)
+
+
+def test_a_sweep_with_the_step_at_hand_plans_the_layers_apart(stack, plans):
+    """``sweep`` with a measure of the whole step (``plot_function``'s) answers each
+    budget as ``optimize`` does, its layers planned apart; on the graph alone it cannot
+    measure a mix, and keeps one policy per stack."""
+    from optiremat.client.frontier import sweep
+    from optiremat.client.peak.measures import step_measure
+    from optiremat.client.peak.placement import Placement
+    from optiremat.client.peak.step_graph import step_extraction
+    from optiremat.client.step import Step
+
+    loss, args = stack
+    _, mixed = plans
+    extracted = step_extraction(loss, args, Step.of(0))
+    placement = Placement(extracted.regions, extracted.differentiated, Step.of(0))
+    measure = step_measure(loss, args, extracted, placement)
+    (point,) = sweep(extracted.graph, [mixed.budget_bytes], regions=extracted.regions,
+                     measure=measure).points
+    assert point.layer_groups == [layers for _, layers, _ in mixed.layer_groups]
+    assert (point.peak_bytes, point.recompute_flops) == (mixed.peak_bytes,
+                                                         mixed.recompute_flops)
+    (alone,) = sweep(extracted.graph, [mixed.budget_bytes], regions=extracted.regions).points
+    assert alone.layer_groups is None
