@@ -9,15 +9,21 @@ rest the lighter's, the peak moves in steps of one layer's difference.
 Over the frontier of one-policy plans (per layer, residual bytes against
 recompute FLOPs) the best mix within a budget is, as in any such knapsack over
 counts, on the lower convex hull: two neighbouring plans, k layers of one and L - k
-of the other. So the mix takes the refined answer (``a``, fits, leaves room) and
-the plan the solver gives where L layers of that room would go (``b``, recomputes
-less), measures ``b``, and gives the last k layers ``b``'s saves, k from the
-measured difference per layer; the mix is compiled and k moved down while it does
-not fit (and up while a layer more would). The group that saves less goes first:
-the last group's backward runs first, with every residual live (measured: 162.63
-against 178.42 MiB the other way round on that stack).
+of the other. So the mix keeps the refined answer (``a``: fits, leaves room r) for
+the first layers and, for k over 1, 2, 3, 4, 6, 8, ... up to L, asks the solver for
+the plan ``b`` that would fit if k layers took it (priced at ``a``'s measured peak
++ rL/k, less ``a``'s shift between price and measurement); the ``b`` whose mix
+recomputes least as priced gives the last layers its saves. The mix is compiled
+and k moved by the measured peak per layer (a secant between mixes; the solver's
+price per layer until two are measured), up while a layer more fits, down while it
+does not: four compiles at most. The group that saves less goes first: the last
+group's backward runs first, with every residual live (measured: 162.63 against
+178.42 MiB the other way round on that stack). Giving the last layers more saves
+can lower the peak (that backward's working set is smaller), and a group of one
+layer is a loop XLA runs as straight-line code, off the line the other mixes make:
+each mix is measured, never extrapolated from the one-policy plan.
 
-Its price is the step compiled, as refinement's (``StepMeasure.measured_split``): two
+Its price is the step compiled, as refinement's (``StepMeasure.measured_split``): one
 to four compiles more than the one-policy plan. Only a step with one region, a scan
 running forward and not nested in groups, is mixed; the solver's graph keeps one
 decision per key, so FLOPs and residuals of the mix are the two plans' per-layer
@@ -39,8 +45,8 @@ from optiremat.solver.peak import BudgetView
 from optiremat.solver.semantics import evaluate
 from optiremat.solver.solution import InfeasibleBudgetError, LayerGroup, Solution, SolveStatus
 
-# Compiles of mixes, at most, after the heavier plan's.
-MAX_MIX_COMPILES = 3
+# Compiles of mixes, at most.
+MAX_MIX_COMPILES = 4
 
 
 def mixable(regions: Sequence[Region], answer: Solution, measure: object) -> bool:
@@ -58,49 +64,79 @@ def mixed_layers(graph: CostGraph, region: ScanRegion, answer: Solution, solve_a
     measured, a plan giving the scan's last layers the saves of a plan that recomputes
     less."""
     assert answer.peak_bytes is not None
-    budget, length, lean_peak = answer.budget_bytes, region.length, answer.peak_bytes
-    room = budget - lean_peak
+    budget, length = answer.budget_bytes, region.length
     # The solver's price of ``answer`` is this much under what it measured; the heavier
-    # plans are taken to be too (their mix is measured before it is answered).
-    shift = lean_peak - BudgetView.of(graph, None).predicted(answer.kept())
-    choice = _heavier(answer, solve_at, length, room, shift)
+    # plans are taken to be too (each mix is measured before it is answered).
+    shift = answer.peak_bytes - BudgetView.of(graph, None).predicted(answer.kept())
+    choice = _heavier(answer, solve_at, length, budget - answer.peak_bytes, shift)
     if choice is None:
         return answer
-    heavier, layers, per_layer = choice
+    heavier, layers, predicted_slope = choice
     lean, heavy = frozenset(answer.saved_keys), frozenset(heavier.saved_keys)
     best: Solution | None = None
     best_layers = 0
-    tried: set[int] = set()
+    measured: dict[int, int] = {}  # layers given the heavier saves -> the step's peak
     for _ in range(MAX_MIX_COMPILES):
-        if not 0 < layers < length or layers in tried:
+        layers = max(1, min(length, layers))
+        if layers in measured:
             break
-        tried.add(layers)
-        try:
-            peak = measure.measured_split(((length - layers, lean), (layers, heavy)))
-        except Exception as err:  # the one-policy plan stands; say why it was kept
-            warnings.warn(f"the layers of the {region.describe()} could not be planned "
-                          f"apart ({type(err).__name__}: {err}); the plan keeps one policy "
-                          "per stack", RuntimeWarning, stacklevel=4)
+        peak = _measured(measure, region, ((length - layers, lean), (layers, heavy)))
+        if peak is None:
             break
-        per_layer = max(1.0, (peak - lean_peak) / layers)  # this compile's own slope
+        measured[layers] = peak
+        if peak <= budget and layers > best_layers:
+            best = _mixed(graph, answer, heavier, region, layers, peak)
+            best_layers = layers
+        slope = _slope(measured, layers, length, predicted_slope)
         if peak <= budget:
-            if layers > best_layers:
-                best = _mixed(graph, answer, heavier, region, layers, peak)
-                best_layers = layers
-            if peak + per_layer > budget:
+            more = int((budget - peak) // slope)
+            if more < 1 or layers == length:
                 break
-            layers += 1
+            layers += more
         else:
-            layers -= max(1, -int(-(peak - budget) // per_layer))
+            layers -= max(1, -int(-(peak - budget) // slope))
     return best if best is not None else answer
+
+
+def _slope(measured: dict[int, int], layers: int, length: int, predicted: float) -> float:
+    """The peak per layer given the heavier saves, from the mix measured nearest
+    ``layers``; the predicted one until two are measured (or where they disagree in
+    sign). Mixes with a group of one layer are not used: XLA runs a loop of one trip as
+    straight-line code, and it measured off the line the others make (on the issue's
+    stack, nothing_saveable then dots_saveable per layer: 110.92 MiB for 8 + 0 layers,
+    109.92 for 7 + 1, then +16.9 MiB a layer from 6 + 2 to 2 + 6, and 258.71 for 1 + 7)."""
+    def on_line(k: int) -> bool:
+        return 2 <= k <= length - 2
+
+    others = [k for k in measured if k != layers and on_line(k)]
+    if others and on_line(layers):
+        near = min(others, key=lambda k: abs(k - layers))
+        slope = (measured[layers] - measured[near]) / (layers - near)
+        if slope > 0:
+            return slope
+    return max(1.0, predicted)
+
+
+def _measured(measure: StepMeasure, region: ScanRegion,
+              split: tuple[tuple[int, frozenset[str]], ...]) -> int | None:
+    """The step's peak with the scan's layers in the groups of ``split`` (empty groups
+    left out); None, with a warning, where they cannot be placed."""
+    split = tuple((layers, keys) for layers, keys in split if layers)
+    try:
+        return measure.measured_split(split)
+    except Exception as err:  # the one-policy plan stands; say why it was kept
+        warnings.warn(f"the layers of the {region.describe()} could not be planned apart "
+                      f"({type(err).__name__}: {err}); the plan keeps one policy per stack",
+                      RuntimeWarning, stacklevel=5)
+        return None
 
 
 def _heavier(answer: Solution, solve_at: SolveAt, length: int, room: int,
              shift: int) -> tuple[Solution, int, float] | None:
     """The plan whose saves the last layers take, how many of them, and its predicted
     peak per layer over ``answer``'s: of the plans the solver gives where k layers of it
-    would fit the room (k over a geometric series up to the scan's length), the one whose
-    mix recomputes least as priced."""
+    would fit the ``room`` (k over a geometric series up to the scan's length), the one
+    whose mix recomputes least as priced."""
     assert answer.peak_bytes is not None
     best: tuple[float, Solution, int, float] | None = None
     seen: set[tuple[str, ...]] = set()
@@ -118,7 +154,7 @@ def _heavier(answer: Solution, solve_at: SolveAt, length: int, room: int,
         per_layer = (heavier.peak_bytes + shift - answer.peak_bytes) / length
         if per_layer <= 0:
             continue
-        layers = min(length - 1, int(room // per_layer))
+        layers = min(length, int(room // per_layer))
         if layers < 1:
             continue
         flops = answer.recompute_flops + layers * (
@@ -129,35 +165,41 @@ def _heavier(answer: Solution, solve_at: SolveAt, length: int, room: int,
 
 
 def _layer_counts(length: int) -> list[int]:
-    """1, 2, 3, 4, 6, 8, 12, 16, ...: how many layers a heavier plan may be given."""
+    """1, 2, 3, 4, 6, 8, 12, 16, ... up to the scan's length: how many layers a heavier
+    plan may be given."""
     counts, k = [1, 2, 3], 4
     while k < length:
         counts += [k, k * 3 // 2]
         k *= 2
-    return sorted({c for c in counts if c < length})
+    return sorted({c for c in [*counts, length] if c <= length})
 
 
 def _mixed(graph: CostGraph, lean: Solution, heavy: Solution, region: ScanRegion,
            layers: int, peak: int) -> Solution:
     """The plan giving the last ``layers`` of the scan ``heavy``'s saves and the others
-    ``lean``'s, whose step measured ``peak``."""
+    ``lean``'s (every layer ``heavy``'s, placed as groups are, where ``layers`` is the
+    scan's length), whose step measured ``peak``."""
     length = region.length
     flops = lean.recompute_flops + (
         heavy.recompute_flops - lean.recompute_flops) * layers // length
-    stacked_lean, hoisted_lean, outside = _residual_parts(graph, region.index, lean.kept())
-    stacked_heavy, hoisted_heavy, _ = _residual_parts(graph, region.index, heavy.kept())
-    # Each group stacks its own residuals over its layers and hoists its own
-    # loop-invariant ones (``layer_groups._Residuals``), as the one scan did.
-    residual_bytes = (outside + hoisted_lean + hoisted_heavy
-                      + (stacked_lean * (length - layers) + stacked_heavy * layers) // length)
-    groups = [LayerGroup(region=region.index, layers=length - layers,
-                         saved_keys=list(lean.saved_keys)),
-              LayerGroup(region=region.index, layers=layers, saved_keys=list(heavy.saved_keys))]
-    return lean.model_copy(update={
-        "status": SolveStatus.FEASIBLE, "recompute_flops": flops,
-        "residual_bytes": residual_bytes, "lower_bound_flops": 0,
-        "gap": 1.0 if flops else 0.0, "peak_bytes": peak, "working_bytes": None,
-        "layer_groups": groups})
+    parts = [(n, plan) for n, plan in [(length - layers, lean), (layers, heavy)] if n]
+    stacked = hoisted = outside = 0
+    for n, plan in parts:
+        # Each group stacks its own residuals over its layers and hoists its own
+        # loop-invariant ones (``layer_groups._Residuals``), as the one scan did.
+        group_stacked, group_hoisted, outside = _residual_parts(graph, region.index,
+                                                                plan.kept())
+        stacked += group_stacked * n
+        hoisted += group_hoisted
+    groups = [LayerGroup(region=region.index, layers=n, saved_keys=list(plan.saved_keys))
+              for n, plan in parts]
+    # The record is the first group's plan (the one ``policy`` gives), with the mix's
+    # figures written over it.
+    return parts[0][1].model_copy(update={
+        "budget_bytes": lean.budget_bytes, "status": SolveStatus.FEASIBLE,
+        "recompute_flops": flops, "residual_bytes": outside + hoisted + stacked // length,
+        "lower_bound_flops": 0, "gap": 1.0 if flops else 0.0, "peak_bytes": peak,
+        "working_bytes": None, "layer_groups": groups})
 
 
 def _residual_parts(graph: CostGraph, region: int, kept: list[bool]) -> tuple[int, int, int]:
