@@ -183,14 +183,18 @@ def _mixed(graph: CostGraph, lean: Solution, heavy: Solution, region: ScanRegion
     flops = lean.recompute_flops + (
         heavy.recompute_flops - lean.recompute_flops) * layers // length
     parts = [(n, plan) for n, plan in [(length - layers, lean), (layers, heavy)] if n]
-    stacked = hoisted = outside = 0
+    stacked = hoisted = 0
+    others: set[int] = set()
     for n, plan in parts:
         # Each group stacks its own residuals over its layers and hoists its own
-        # loop-invariant ones (``layer_groups._Residuals``), as the one scan did.
-        group_stacked, group_hoisted, outside = _residual_parts(graph, region.index,
-                                                                plan.kept())
+        # loop-invariant ones (``layer_groups._Residuals``), as the one scan did; the
+        # arguments and values outside the scan any group reads are kept once.
+        group_stacked, group_hoisted, group_others = _residual_parts(graph, region.index,
+                                                                     plan.kept())
         stacked += group_stacked * n
         hoisted += group_hoisted
+        others |= group_others
+    outside = sum(graph.value_bytes[v] for v in others)
     groups = [LayerGroup(region=region.index, layers=n, saved_keys=list(plan.saved_keys))
               for n, plan in parts]
     # The record is the first group's plan (the one ``policy`` gives), with the mix's
@@ -202,10 +206,13 @@ def _mixed(graph: CostGraph, lean: Solution, heavy: Solution, region: ScanRegion
         "working_bytes": None, "layer_groups": groups})
 
 
-def _residual_parts(graph: CostGraph, region: int, kept: list[bool]) -> tuple[int, int, int]:
-    """The residual bytes of the plan keeping ``kept``: stacked over the region's layers,
-    made in the region once (loop-invariant, hoisted), and the rest."""
-    stacked = hoisted = other = 0
+def _residual_parts(graph: CostGraph, region: int,
+                    kept: list[bool]) -> tuple[int, int, set[int]]:
+    """The residuals of the plan keeping ``kept``: the bytes stacked over the region's
+    layers, the bytes made in the region once (loop-invariant, hoisted), and the other
+    residual values (arguments, values made outside the scan)."""
+    stacked = hoisted = 0
+    other: set[int] = set()
     value_region = graph.value_region or [-1] * graph.num_values
     node_region = graph.node_region or [-1] * graph.num_nodes
     for v in evaluate(graph, kept).residuals:
@@ -215,5 +222,5 @@ def _residual_parts(graph: CostGraph, region: int, kept: list[bool]) -> tuple[in
         elif producer is not None and node_region[producer] == region:
             hoisted += graph.value_bytes[v]
         else:
-            other += graph.value_bytes[v]
+            other.add(v)
     return stacked, hoisted, other
