@@ -11,13 +11,13 @@ from __future__ import annotations
 import math
 import re
 
-from optiremat.solver.breakdown import WHOLE_STEP, PeakBreakdown, breakdown
+from optiremat.solver.breakdown import WHOLE_STEP, PeakBreakdown, breakdown, residual_parts
 from optiremat.solver.graph import CostGraph
 from optiremat.solver.nesting import forward_flops
 from optiremat.solver.peak import BudgetView
 from optiremat.solver.semantics import Evaluation, evaluate
 from optiremat.solver.solution import Decision, Solution
-from optiremat.solver.step import RegionKind
+from optiremat.solver.step import RegionKind, StepMemory
 from optiremat.solver.units import format_bytes
 
 
@@ -50,6 +50,20 @@ def explain_plan(graph: CostGraph, solution: Solution, top: int | None = 20) -> 
     return "\n".join(lines)
 
 
+def _row(name: str, nbytes: int, note: str = "") -> str:
+    """One term of a peak's breakdown: its name, its bytes, what it is."""
+    return f"  {name:<26}{format_bytes(nbytes):>12}  {note}".rstrip()
+
+
+def _held_rows(step: StepMemory) -> list[str]:
+    """What the whole step holds, whatever the plan: arguments, gradients, less donated."""
+    rows = [_row("arguments", step.argument_bytes, "parameters and batch, the whole step"),
+            _row("gradients", step.output_bytes, "the step's outputs")]
+    if step.alias_bytes:
+        rows.append(_row("- donated", step.alias_bytes, "gradients written over arguments"))
+    return rows
+
+
 def layer_group_lines(graph: CostGraph, solution: Solution) -> list[str]:
     """A plan whose scan layers are planned apart: the measured peak term by term
     (arguments, gradients, each group's residuals per layer x its layers, the rest), and
@@ -57,29 +71,17 @@ def layer_group_lines(graph: CostGraph, solution: Solution) -> list[str]:
     assert solution.layer_groups and solution.peak_bytes is not None
     step = graph.step
     assert step is not None
-
-    def row(name: str, nbytes: int, note: str = "") -> str:
-        return f"  {name:<26}{format_bytes(nbytes):>12}  {note}".rstrip()
-
     within = "within" if solution.peak_bytes <= solution.budget_bytes else "OVER"
     lines = [f"peak of the training step {format_bytes(solution.peak_bytes)} measured, "
              f"{within} the budget of {format_bytes(solution.budget_bytes)}, with the "
-             "layers planned apart:",
-             row("arguments", step.argument_bytes, "parameters and batch, the whole step"),
-             row("gradients", step.output_bytes, "the step's outputs")]
-    if step.alias_bytes:
-        lines.append(row("- donated", step.alias_bytes, "gradients written over arguments"))
+             "layers planned apart:", *_held_rows(step)]
     first = set(solution.layer_groups[0].saved_keys)
-    arguments = {graph.value_index[v] for v in graph.inputs}
-    value_region = graph.value_region or [-1] * graph.num_values
     accounted = step.held_bytes
     start = 0
     for group in solution.layer_groups:
         region = step.regions[group.region]
         keys = set(group.saved_keys)
-        saves = [k in keys for k in graph.node_key]
-        stacked = sum(graph.value_bytes[v] for v in evaluate(graph, saves).residuals
-                      if v not in arguments and value_region[v] == group.region)
+        stacked, _, _ = residual_parts(graph, group.region, [k in keys for k in graph.node_key])
         per_layer = stacked // region.length
         extra = keys - first
         primitives = sorted({p for k, p in zip(graph.node_key, graph.node_primitive,
@@ -88,14 +90,14 @@ def layer_group_lines(graph: CostGraph, solution: Solution) -> list[str]:
                 else "the plan's policy")
         name = (f"layer {start}" if group.layers == 1
                 else f"layers {start}-{start + group.layers - 1}")
-        lines.append(row(f"residuals, {name}", per_layer * group.layers,
-                         f"{format_bytes(per_layer)} per layer x {group.layers} layers of the "
-                         f"{region.describe()}: {what}"))
+        lines.append(_row(f"residuals, {name}", per_layer * group.layers,
+                          f"{format_bytes(per_layer)} per layer x {group.layers} layers of the "
+                          f"{region.describe()}: {what}"))
         accounted += per_layer * group.layers
         start += group.layers
-    lines.append(row("+ the rest", solution.peak_bytes - accounted,
-                     "the peak phase's working set, residuals outside the layers and "
-                     "XLA's own buffers"))
+    lines.append(_row("+ the rest", solution.peak_bytes - accounted,
+                      "the peak phase's working set, residuals outside the layers and "
+                      "XLA's own buffers"))
     return lines
 
 
@@ -116,47 +118,41 @@ def peak_breakdown(graph: CostGraph, solution: Solution, evaluation: Evaluation)
         index = regions[producer] if producer is not None else -1
         per_region[index] += graph.value_bytes[v] + extra[v]
 
-    def row(name: str, nbytes: int, note: str = "") -> str:
-        return f"  {name:<26}{format_bytes(nbytes):>12}  {note}".rstrip()
-
     terms = breakdown(graph, solution)
     peak = terms.peak
     groups = list(solution.groups or [1] * len(step.regions))
     within = "within" if solution.peak_bytes <= solution.budget_bytes else "OVER"
     lines = [f"peak of the training step {format_bytes(solution.peak_bytes)} predicted, "
              f"{within} the budget of {format_bytes(solution.budget_bytes)}:",
-             row("arguments", step.argument_bytes, "parameters and batch, the whole step"),
-             row("gradients", step.output_bytes, "the step's outputs")]
-    if step.alias_bytes:
-        lines.append(row("- donated", step.alias_bytes, "gradients written over arguments"))
+             *_held_rows(step)]
     nested = [(k, region) for k, region in zip(groups, step.regions, strict=True) if k != 1]
     if nested:
-        lines.append(row("nested groups' buffers", terms.nesting_bytes,
-                         "; ".join(f"{format_bytes(k * r.carry_bytes)} of group inputs "
-                                   f"({format_bytes(r.carry_bytes)} x {k} groups) and one "
-                                   f"group's parameter slices, "
-                                   f"{format_bytes(r.length // k * r.slice_bytes)}"
-                                   for k, r in nested)))
-    lines.append(row("+ the peak phase", peak.total, f"{peak.name}, below"))
+        lines.append(_row("nested groups' buffers", terms.nesting_bytes,
+                          "; ".join(f"{format_bytes(k * r.carry_bytes)} of group inputs "
+                                    f"({format_bytes(r.carry_bytes)} x {k} groups) and one "
+                                    f"group's parameter slices, "
+                                    f"{format_bytes(r.length // k * r.slice_bytes)}"
+                                    for k, r in nested)))
+    lines.append(_row("+ the peak phase", peak.total, f"{peak.name}, below"))
     lines.append("residuals the plan keeps, by the region that makes them (live in every "
                  "phase):")
     for k, region in enumerate(step.regions):
         per_layer = per_region[k] // region.length
         where = f"({region.describe()})"
         if region.kind == RegionKind.BLOCK:
-            lines.append(row(f"residuals, region {k}", per_region[k],
-                             f"a checkpoint around the block {where}"))
+            lines.append(_row(f"residuals, region {k}", per_region[k],
+                              f"a checkpoint around the block {where}"))
         elif groups[k] == 1:
-            lines.append(row(f"residuals, region {k}", per_region[k],
-                             f"{format_bytes(per_layer)} per layer x {region.length} layers, a "
-                             f"checkpoint per layer {where}"))
+            lines.append(_row(f"residuals, region {k}", per_region[k],
+                              f"{format_bytes(per_layer)} per layer x {region.length} layers, a "
+                              f"checkpoint per layer {where}"))
         else:
             layers = region.length // groups[k]
-            lines.append(row(f"residuals, region {k}", per_region[k] // groups[k],
-                             f"one group's: {format_bytes(per_layer)} per layer x {layers} "
-                             f"layers, {groups[k]} rematerialised groups {where}"))
+            lines.append(_row(f"residuals, region {k}", per_region[k] // groups[k],
+                              f"one group's: {format_bytes(per_layer)} per layer x {layers} "
+                              f"layers, {groups[k]} rematerialised groups {where}"))
     if per_region[-1] or not step.regions:
-        lines.append(row("residuals, elsewhere", per_region[-1], "outside every region"))
+        lines.append(_row("residuals, elsewhere", per_region[-1], "outside every region"))
     if not step.regions:
         lines.append("  no region to place remat in (no differentiated lax.scan, checkpoint "
                      "of yours or repeated block holding a matmul): the plan cannot move the "

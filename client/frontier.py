@@ -95,10 +95,8 @@ def _refined(graph: CostGraph, regions: Sequence[Region], budgets: Sequence[int]
     """Each budget's plan refined against its own working set (measurements are shared
     between budgets), its scan's layers planned apart where ``measure`` compiles the step;
     a budget no refined plan fits is infeasible, naming the smallest measured peak."""
-    from optiremat.client.peak.measures import StepMeasure
-    from optiremat.client.peak.mixing import mixable, mixed_layers
+    from optiremat.client.peak.mixing import with_layers_apart
     from optiremat.client.peak.refine import refined_solve
-    from optiremat.client.peak.scan_region import ScanRegion
 
     def solve_at(b: int) -> Solution:
         return solve(graph, b, options)
@@ -110,11 +108,7 @@ def _refined(graph: CostGraph, regions: Sequence[Region], budgets: Sequence[int]
         except InfeasibleBudgetError as err:
             results[budget] = err
             continue
-        if isinstance(measure, StepMeasure) and mixable(regions, answer, measure):
-            (region,) = regions
-            assert isinstance(region, ScanRegion)
-            answer = mixed_layers(graph, region, answer, solve_at, measure)
-        results[budget] = answer
+        results[budget] = with_layers_apart(graph, regions, answer, solve_at, measure)
     return results
 
 

@@ -60,17 +60,15 @@ class PlanFile(BaseModel):
 
     @property
     def saved_keys(self) -> frozenset[str]:
-        keys: set[str] = set()
-        for key in self.solution.saved_keys:
-            keys |= set(self.key_aliases.get(key, [key]))
-        return frozenset(keys)
+        return self._expanded(self.solution.saved_keys)
 
     @property
     def offloaded_keys(self) -> frozenset[str]:
-        keys: set[str] = set()
-        for key in self.solution.offloaded_keys:
-            keys |= set(self.key_aliases.get(key, [key]))
-        return frozenset(keys)
+        return self._expanded(self.solution.offloaded_keys)
+
+    def _expanded(self, keys: list[str]) -> frozenset[str]:
+        """``keys``, each a graph key standing for several expanded to all of them."""
+        return frozenset(k for key in keys for k in self.key_aliases.get(key, [key]))
 
     def evaluation(self) -> Evaluation:
         """The plan replayed on its graph: residuals and the equations recomputed."""
@@ -94,8 +92,7 @@ class PlanFile(BaseModel):
         policy of ``jax.checkpoint`` around each of them). Empty for one policy per stack."""
         from optiremat.client.policy import KeyPolicy
 
-        return [(group.layers, KeyPolicy(frozenset(
-                    k for key in group.saved_keys for k in self.key_aliases.get(key, [key]))))
+        return [(group.layers, KeyPolicy(self._expanded(group.saved_keys)))
                 for group in self.solution.layer_groups or []]
 
     def write(self, path: str | Path) -> Path:

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 from optiremat.solver.graph import CostGraph
 from optiremat.solver.peak import BudgetView, Phase, nesting_bytes
+from optiremat.solver.semantics import evaluate
 from optiremat.solver.solution import Solution
 
 __all__ = ["WHOLE_STEP", "PeakBreakdown", "PhaseShare", "breakdown"]
@@ -91,3 +92,24 @@ def breakdown(graph: CostGraph, solution: Solution) -> PeakBreakdown:
                                  max(-working, 0), phase is peak, priced))
     return PeakBreakdown(step.argument_bytes, step.output_bytes, step.alias_bytes, nesting,
                          tuple(shares))
+
+
+def residual_parts(graph: CostGraph, region: int,
+                   kept: list[bool]) -> tuple[int, int, set[int]]:
+    """The residuals of the plan keeping ``kept``, by where a scan region keeps them:
+    the bytes stacked over region ``region``'s layers, the bytes made in the region once
+    (loop-invariant, hoisted), and the other residual values (arguments, values made
+    outside the scan)."""
+    stacked = hoisted = 0
+    other: set[int] = set()
+    value_region = graph.value_region or [-1] * graph.num_values
+    node_region = graph.node_region or [-1] * graph.num_nodes
+    for v in evaluate(graph, kept).residuals:
+        producer = graph.producer[v]
+        if value_region[v] == region:
+            stacked += graph.value_bytes[v]
+        elif producer is not None and node_region[producer] == region:
+            hoisted += graph.value_bytes[v]
+        else:
+            other.add(v)
+    return stacked, hoisted, other

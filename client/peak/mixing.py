@@ -40,13 +40,25 @@ from optiremat.client.peak.measures import StepMeasure
 from optiremat.client.peak.refine import SolveAt
 from optiremat.client.peak.regions import Region
 from optiremat.client.peak.scan_region import ScanRegion
+from optiremat.solver.breakdown import residual_parts
 from optiremat.solver.graph import CostGraph
 from optiremat.solver.peak import BudgetView
-from optiremat.solver.semantics import evaluate
 from optiremat.solver.solution import InfeasibleBudgetError, LayerGroup, Solution, SolveStatus
 
 # Compiles of mixes, at most.
 MAX_MIX_COMPILES = 4
+
+
+def with_layers_apart(graph: CostGraph, regions: Sequence[Region], answer: Solution,
+                      solve_at: SolveAt, measure: object) -> Solution:
+    """``answer`` (refined) with its scan's layers planned apart where that recomputes
+    less and fits as measured; ``answer`` itself where its step cannot take it
+    (``mixable``) or no mix does better."""
+    if not mixable(regions, answer, measure):
+        return answer
+    (region,) = regions
+    assert isinstance(region, ScanRegion) and isinstance(measure, StepMeasure)
+    return mixed_layers(graph, region, answer, solve_at, measure)
 
 
 def mixable(regions: Sequence[Region], answer: Solution, measure: object) -> bool:
@@ -189,8 +201,8 @@ def _mixed(graph: CostGraph, lean: Solution, heavy: Solution, region: ScanRegion
         # Each group stacks its own residuals over its layers and hoists its own
         # loop-invariant ones (``layer_groups._Residuals``), as the one scan did; the
         # arguments and values outside the scan any group reads are kept once.
-        group_stacked, group_hoisted, group_others = _residual_parts(graph, region.index,
-                                                                     plan.kept())
+        group_stacked, group_hoisted, group_others = residual_parts(graph, region.index,
+                                                                    plan.kept())
         stacked += group_stacked * n
         hoisted += group_hoisted
         others |= group_others
@@ -204,23 +216,3 @@ def _mixed(graph: CostGraph, lean: Solution, heavy: Solution, region: ScanRegion
         "recompute_flops": flops, "residual_bytes": outside + hoisted + stacked // length,
         "lower_bound_flops": 0, "gap": 1.0 if flops else 0.0, "peak_bytes": peak,
         "working_bytes": None, "layer_groups": groups})
-
-
-def _residual_parts(graph: CostGraph, region: int,
-                    kept: list[bool]) -> tuple[int, int, set[int]]:
-    """The residuals of the plan keeping ``kept``: the bytes stacked over the region's
-    layers, the bytes made in the region once (loop-invariant, hoisted), and the other
-    residual values (arguments, values made outside the scan)."""
-    stacked = hoisted = 0
-    other: set[int] = set()
-    value_region = graph.value_region or [-1] * graph.num_values
-    node_region = graph.node_region or [-1] * graph.num_nodes
-    for v in evaluate(graph, kept).residuals:
-        producer = graph.producer[v]
-        if value_region[v] == region:
-            stacked += graph.value_bytes[v]
-        elif producer is not None and node_region[producer] == region:
-            hoisted += graph.value_bytes[v]
-        else:
-            other.add(v)
-    return stacked, hoisted, other

@@ -17,11 +17,10 @@ from optiremat.client.extract import Traced
 from optiremat.client.peak.block_region import BlockRegion
 from optiremat.client.peak.finding import why_no_regions
 from optiremat.client.peak.measures import step_measure
-from optiremat.client.peak.mixing import mixable, mixed_layers
+from optiremat.client.peak.mixing import with_layers_apart
 from optiremat.client.peak.placement import Placement
 from optiremat.client.peak.refine import refined_solve
 from optiremat.client.peak.regions import Region
-from optiremat.client.peak.scan_region import ScanRegion
 from optiremat.client.peak.step_graph import traced_step_extraction
 from optiremat.client.plan import PeakPlan, PlanError
 from optiremat.client.schedule import ScheduleWarning, barriers_kept, schedule_advice
@@ -66,10 +65,9 @@ def plan_peak(fun: Callable, traced: Traced, args: Sequence, request: PlanReques
         if request.refine and not request.offload:
             measure = step_measure(fun, args, extracted, placement)
             solution = refined_solve(graph, extracted.regions, budget_bytes, solve_at, measure)
-            if request.layer_groups and mixable(extracted.regions, solution, measure):
-                (region,) = extracted.regions
-                assert isinstance(region, ScanRegion)
-                solution = mixed_layers(graph, region, solution, solve_at, measure)
+            if request.layer_groups:
+                solution = with_layers_apart(graph, extracted.regions, solution, solve_at,
+                                             measure)
         else:
             solution = solve_at(budget_bytes)
     except InfeasibleBudgetError as err:
