@@ -16,7 +16,8 @@ the plan ``b`` that would fit if k layers took it (priced at ``a``'s measured pe
 recomputes least as priced gives the last layers its saves. The mix is compiled
 and k moved by the measured peak per layer (a secant between mixes; the solver's
 price per layer until two are measured), up while a layer more fits, down while it
-does not: four compiles at most. The group that saves less goes first: the last
+does not, always strictly between the most layers measured to fit and the fewest measured
+not to: four compiles at most. The group that saves less goes first: the last
 group's backward runs first, with every residual live (measured: 162.63 against
 178.42 MiB the other way round on that stack). Giving the last layers more saves
 can lower the peak (that backward's working set is smaller), and a group of one
@@ -86,26 +87,27 @@ def mixed_layers(graph: CostGraph, region: ScanRegion, answer: Solution, solve_a
     heavier, layers, predicted_slope = choice
     lean, heavy = frozenset(answer.saved_keys), frozenset(heavier.saved_keys)
     best: Solution | None = None
-    best_layers = 0
     measured: dict[int, int] = {}  # layers given the heavier saves -> the step's peak
+    fits, over = 0, length + 1  # the most layers measured to fit, the fewest not to
     for _ in range(MAX_MIX_COMPILES):
-        layers = max(1, min(length, layers))
-        if layers in measured:
+        # A secant may overshoot on a peak that is not linear in k: keep k strictly
+        # between what was measured to fit and what was not.
+        layers = max(fits + 1, min(over - 1, layers))
+        if layers >= over or layers in measured:
             break
         peak = _measured(measure, region, ((length - layers, lean), (layers, heavy)))
         if peak is None:
             break
         measured[layers] = peak
-        if peak <= budget and layers > best_layers:
-            best = _mixed(graph, answer, heavier, region, layers, peak)
-            best_layers = layers
         slope = _slope(measured, layers, length, predicted_slope)
         if peak <= budget:
+            best, fits = _mixed(graph, answer, heavier, region, layers, peak), layers
             more = int((budget - peak) // slope)
-            if more < 1 or layers == length:
+            if more < 1:
                 break
             layers += more
         else:
+            over = layers
             layers -= max(1, -int(-(peak - budget) // slope))
     return best if best is not None else answer
 
