@@ -26,7 +26,7 @@ import optiremat.client._jax_internals as jx
 from optiremat.client.extract import Traced, graph_of_traced, trace
 from optiremat.client.measure import backward_flops, saved_residuals
 from optiremat.client.names import tag_every_value
-from optiremat.client.peak.placement import Placement, keeps_barriers
+from optiremat.client.peak.placement import Placement, measured_with_barriers
 from optiremat.client.policy import KeyPolicy, warn_under_remat3
 from optiremat.client.step import lowered_peak
 from optiremat.client.verification import Verification
@@ -239,6 +239,14 @@ class PeakPlan(Plan):
     memory: ClassVar[Literal["peak", "residuals"]] = "peak"
 
     placement: Placement = field(kw_only=True, repr=False)
+    # The compile the budget holds under (``optimize(..., schedule=)``), and what the plan
+    # would measure under the other where they differ (``client.schedule``).
+    schedule: str = field(default="process", kw_only=True)
+    schedule_note: str = field(default="", kw_only=True)
+
+    def explain(self) -> str:
+        text = super().explain()
+        return f"{text}\n\n{self.schedule_note}" if self.schedule_note else text
 
     @property
     def groups(self) -> tuple[int, ...]:
@@ -311,8 +319,9 @@ class PeakPlan(Plan):
                             "device ones. Verify it on a GPU or TPU, or check its residuals "
                             "and host bytes here with peak=False")
         if peak:
-            measured_peak_bytes = lowered_peak(step.function(applied).lower(*args),
-                                               keeps_barriers(self.placement.regions))
+            measured_peak_bytes = lowered_peak(
+                step.function(applied).lower(*args),
+                measured_with_barriers(self.placement.regions, self.schedule))
         return Verification(self.residual_bytes, sum(r.bytes for r in residuals if not r.host),
                             self.budget_bytes, residuals,
                             predicted_host_bytes=self.host_bytes,

@@ -25,6 +25,7 @@ from optiremat.client.plan import (
     ResidualPlan,
     names_form,
 )
+from optiremat.client.schedule import SCHEDULES, Schedule
 from optiremat.client.step import Step
 from optiremat.solver.graph import CostGraph
 from optiremat.solver.out_of_process import local_solve
@@ -47,6 +48,7 @@ class PlanRequest:
     options: SolveOptions  # validated here, once: every solve takes them as they are
     scopes: tuple[str, ...] = ()  # name scopes whose equations are the blocks (regions=)
     layer_groups: bool = True  # a scan's layers may be planned apart (client.peak.mixing)
+    schedule: Schedule = "process"  # the compile the budget holds under (client.schedule)
 
     @classmethod
     def of(cls, budget: int | str, tie: bool, keywords: dict[str, Any]) -> PlanRequest:
@@ -57,10 +59,14 @@ class PlanRequest:
         layer_groups = options.pop("layer_groups", True)
         if not isinstance(layer_groups, bool):
             raise PlanError(f"layer_groups= takes True or False, not {layer_groups!r}")
+        schedule = options.pop("schedule", "process")
+        if schedule not in SCHEDULES:
+            raise PlanError(f"schedule= takes one of {', '.join(map(repr, SCHEDULES))}, not "
+                            f"{schedule!r}")
         return cls(budget=budget, memory=memory,
                    step=step, tie=tie, refine=refine, auto=auto,
                    options=_solve_options(options), scopes=_scopes(scopes, memory),
-                   layer_groups=layer_groups)
+                   layer_groups=layer_groups, schedule=schedule)
 
     @property
     def offload(self) -> bool:
@@ -108,6 +114,11 @@ def optimize(fun: Callable, *args, budget: int | str, memory: Literal["peak", "r
     A refined plan may give the last layers of a ``lax.scan`` more saves than the
     first, where one policy per stack would leave the budget unused
     (``client.peak.mixing``; ``layer_groups=False`` keeps one policy per stack).
+    A peak plan's budget holds for ``jax.jit(step)`` compiled as this process compiles
+    by default (``schedule="process"``); where that compile merges checkpointed blocks
+    of straight-line code back into the forward pass (jax 0.10 on CPU),
+    ``schedule="barriers_kept"`` plans for a step compiled with the barriers kept
+    (``client.schedule``), as the answer's ``explain()`` then advises.
     Other ``options`` are ``solver.SolveOptions`` fields (``time_limit_s``,
     ``relative_gap``, ``backend``; ``offload=OffloadOptions(...)`` lets a
     plan keep residuals in host memory, a peak plan its layer inputs too).

@@ -28,6 +28,7 @@ are all there and the peak is still the no-remat one.)
 from __future__ import annotations
 
 import functools
+from typing import Literal
 
 import jax
 import jax.numpy as jnp
@@ -37,6 +38,14 @@ BARRIER_PASS = "cse_barrier_expander"
 MEMORY_SCHEDULE_OPTIONS: dict[str, str] = {"xla_disable_hlo_passes": BARRIER_PASS}
 # The same for every compile of a process: XLA reads it when JAX starts its backend.
 MEMORY_SCHEDULE_FLAG = f"--xla_disable_hlo_passes={BARRIER_PASS}"
+
+
+# What compile a peak plan's budget holds under (``optimize(..., schedule=)``): this
+# process's own ``jax.jit(step).lower(...).compile()``, or one that keeps checkpoints'
+# barriers (``MEMORY_SCHEDULE_FLAG`` / ``MEMORY_SCHEDULE_OPTIONS``, jax 0.12's default).
+# They differ only for checkpoints in straight-line code where ``barriers_kept()`` is false.
+Schedule = Literal["process", "barriers_kept"]
+SCHEDULES: tuple[Schedule, ...] = ("process", "barriers_kept")
 
 
 class ScheduleWarning(UserWarning):
@@ -84,6 +93,28 @@ def memory_compile_options() -> dict[str, str]:
     if jax.default_backend() == "cpu" and not barriers_kept():
         return dict(MEMORY_SCHEDULE_OPTIONS)
     return {}
+
+
+def merged_schedule_note(peak_bytes: int, kept_peak_bytes: int) -> str:
+    """What a plan for this process (whose compiles merge checkpointed blocks back into the
+    forward pass) would measure with the barriers kept."""
+    mib = 2**20
+    return (f"Planned for this process's own compile, which merges checkpointed blocks back "
+            f"into the forward pass ({BARRIER_PASS}): {peak_bytes / mib:.2f} MiB. With the "
+            f"barriers kept the same plan measures {kept_peak_bytes / mib:.2f} MiB, and plans "
+            f"reach lower: set XLA_FLAGS={MEMORY_SCHEDULE_FLAG} before JAX starts and plan "
+            "again, or plan with schedule='barriers_kept' for a step compiled with "
+            f"compiler_options={MEMORY_SCHEDULE_OPTIONS!r}.")
+
+
+def merged_infeasible_why(kept_min_budget_bytes: int) -> str:
+    """Why a budget is out of reach in this process, and what reaches it."""
+    return (f"This process's XLA ({BARRIER_PASS}) merges checkpointed blocks back into the "
+            f"forward pass, and plans are made for its own compile; with the barriers kept "
+            f"plans reach down to {kept_min_budget_bytes} bytes "
+            f"({kept_min_budget_bytes / 2**20:.2f} MiB): set XLA_FLAGS={MEMORY_SCHEDULE_FLAG} "
+            "before JAX starts and plan again, or plan with schedule='barriers_kept' for a "
+            f"step compiled with compiler_options={MEMORY_SCHEDULE_OPTIONS!r}")
 
 
 def schedule_advice() -> str:

@@ -20,7 +20,7 @@ from optiremat.client.peak.placement import Placement, keeps_barriers
 from optiremat.client.peak.repeats import Run, crossing_bytes, repeated_runs
 from optiremat.client.peak.step_graph import step_extraction
 from optiremat.client.schedule import ScheduleWarning, barriers_kept
-from optiremat.client.step import Step, lowered_peak
+from optiremat.client.step import Step, lowered_peak, measured_peak
 from optiremat.solver.graph import KINDS_SCHEMA_VERSION, CostGraph
 from optiremat.solver.solution import InfeasibleBudgetError
 from optiremat.solver.step import RegionFound, RegionKind
@@ -139,9 +139,11 @@ def test_repeated_blocks_plan_exactly_and_reach_the_per_block_builtin(extracted)
 
 
 def optimize_quietly(fun, *args, **kwargs):
+    """A plan for a step compiled with the barriers kept, as ``_peak`` measures it (where
+    this process would merge them, it warns: ignored here)."""
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", ScheduleWarning)
-        return optiremat.optimize(fun, *args, **kwargs)
+        return optiremat.optimize(fun, *args, schedule="barriers_kept", **kwargs)
 
 
 def test_the_users_checkpoints_are_regions_whose_policy_the_plan_sets() -> None:
@@ -209,17 +211,55 @@ def test_a_function_whose_only_loop_is_a_while_loop_is_told_to_write_it_as_a_sca
     assert why.startswith("its only loops are while_loops") and "lax.scan" in why
 
 
-def test_blocks_warn_where_this_process_would_merge_their_recomputation() -> None:
+def test_blocks_warn_only_where_a_plan_is_for_barriers_this_process_would_merge() -> None:
+    """A plan for this process (the default) is measured as it compiles: no warning. A plan
+    for a step compiled with the barriers kept warns where this process would merge them."""
     params = _params(2)
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        optiremat.optimize(unrolled, params, X, budget=_peak(unrolled, params, X))
-    schedule = [w for w in caught if issubclass(w.category, ScheduleWarning)]
-    assert bool(schedule) == (not barriers_kept())
-    if schedule:
-        assert "cse_barrier_expander" in str(schedule[0].message)
-        assert schedule[0].filename == __file__  # points at the caller's line
+    budget = _users_peak(unrolled, params, X)
+    for schedule in ("process", "barriers_kept"):
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            optiremat.optimize(unrolled, params, X, budget=budget, schedule=schedule)
+        warned = [w for w in caught if issubclass(w.category, ScheduleWarning)]
+        assert bool(warned) == (schedule == "barriers_kept" and not barriers_kept())
+        if warned:
+            assert "cse_barrier_expander" in str(warned[0].message)
+            assert warned[0].filename == __file__  # points at the caller's line
     assert keeps_barriers(step_extraction(unrolled, (params, X), STEP).regions)
+    with pytest.raises(optiremat.PlanError, match="schedule= takes one of 'process', "
+                       "'barriers_kept', not 'kept'"):
+        optiremat.optimize(unrolled, params, X, budget=budget, schedule="kept")
+
+
+def _users_peak(fun, *args) -> int:
+    """The peak of the step as a user compiles it in this process: no options at all."""
+    return measured_peak(jax.jit(jax.grad(fun)).lower(*args).compile())
+
+
+def test_a_plan_holds_in_this_process_as_it_compiles() -> None:
+    """Under this process's own compile (on jax 0.10's CPU backend it merges checkpointed
+    blocks back into the forward pass) every plan measures within its budget, predicted
+    within 1%; where the compile merges them, the plan says what the barriers kept would
+    measure, and a budget only they reach is refused naming the setting and its figure."""
+    params = _params()
+    no_remat = _users_peak(unrolled, params, X)
+    with pytest.raises(InfeasibleBudgetError) as err:
+        optiremat.optimize(unrolled, params, X, budget=1)
+    least = err.value.min_budget_bytes
+    assert least <= no_remat
+    merged = not barriers_kept()
+    assert ("XLA_FLAGS=--xla_disable_hlo_passes=cse_barrier_expander" in str(err.value)) \
+        == merged
+    for budget in (no_remat, (no_remat + least) // 2, least):
+        plan = optiremat.optimize(unrolled, params, X, budget=budget)
+        measured = _users_peak(plan.apply(unrolled), params, X)
+        assert measured <= budget
+        assert abs(measured - plan.peak_bytes) <= 0.01 * measured
+        assert ("With the barriers kept the same plan measures" in plan.explain()) == merged
+        if merged:  # the figure it names is the plan's own, the barriers kept
+            kept = f"{_peak(plan.apply(unrolled), params, X) / 2**20:.2f} MiB"
+            assert f"the same plan measures {kept}" in plan.schedule_note
+        assert plan.verify(unrolled, params, X, peak=True).measured_peak_bytes == measured
 
 
 def test_a_scan_stack_and_unrolled_blocks_after_it_are_both_regions() -> None:

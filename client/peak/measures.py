@@ -116,10 +116,15 @@ def _beyond_residuals(graph: CostGraph, saves: Sequence[bool], groups: Sequence[
 
 
 def step_measure(fun: Callable, args: Sequence, extracted: StepExtraction,
-                 placement: Placement) -> StepMeasure:
+                 placement: Placement, keep_barriers: bool | None = None) -> StepMeasure:
     """A plan's peak as XLA measures it: ``fun``'s step compiled with the plan applied to
     the jaxpr ``fun`` was traced to (``extracted.traced``; it is not traced again). The
-    program is the one ``plan.apply(fun)`` lowers to, so verifying a plan compiles nothing."""
+    program is the one ``plan.apply(fun)`` lowers to, so verifying a plan compiles nothing.
+    ``keep_barriers``: compiled with checkpoints' barriers kept (``client.schedule``), else
+    as this process compiles by default; by default, kept where the step has blocks of
+    straight-line code."""
+    if keep_barriers is None:
+        keep_barriers = keeps_barriers(placement.regions)
     aliases = extracted.extraction.key_aliases
 
     def expanded(keys: frozenset[str]) -> frozenset[str]:
@@ -130,8 +135,7 @@ def step_measure(fun: Callable, args: Sequence, extracted: StepExtraction,
         def applied(*args):
             return evaluate(jax.tree_util.tree_leaves(args))
 
-        return lowered_peak(placement.step.function(applied).lower(*args),
-                            keeps_barriers(placement.regions))
+        return lowered_peak(placement.step.function(applied).lower(*args), keep_barriers)
 
     def peak_of(keys: frozenset[str], groups: tuple[int, ...] | None) -> int:
         return compiled_peak(lambda leaves: placement.evaluate(

@@ -43,7 +43,7 @@ if TYPE_CHECKING:
 
 __all__ = ["LAYER_INPUT", "BlockRegion", "Placement", "PlacementError", "Region",
            "RegionMarker", "ScanRegion", "TraceCache", "check_groups", "divisors",
-           "find_regions", "keeps_barriers", "place"]
+           "find_regions", "keeps_barriers", "measured_with_barriers", "place"]
 
 
 @dataclass
@@ -106,6 +106,13 @@ def keeps_barriers(regions: Sequence[Region]) -> bool:
     """Whether a step with these regions is measured under the schedule that keeps
     checkpoints in straight-line code apart from the forward pass (``client.schedule``)."""
     return any(isinstance(r, BlockRegion) for r in regions)
+
+
+def measured_with_barriers(regions: Sequence[Region], schedule: str) -> bool:
+    """Whether a plan for ``schedule`` (``optimize(..., schedule=)``) is measured with
+    checkpoints' barriers kept: where it has blocks and is for a compile that keeps them.
+    A plan for this process is measured as this process compiles."""
+    return schedule == "barriers_kept" and keeps_barriers(regions)
 
 
 def place(closed: jx.ClosedJaxpr, args: Sequence, regions: Sequence[Region],
