@@ -28,6 +28,11 @@ def explain_plan(graph: CostGraph, solution: Solution, top: int | None = 20) -> 
              f"solved by {sol.solver} {sol.solver_version} in {sol.solve_seconds:.2f} s"]
     if not sol.planned:
         return "\n".join([*lines, "no plan: the solver stopped before it found one"])
+    if sol.no_checkpoint:
+        assert sol.peak_bytes is not None
+        return "\n".join([*lines, f"no checkpoint: the training step as written peaks at "
+                           f"{format_bytes(sol.peak_bytes)} as measured, within the budget of "
+                           f"{format_bytes(sol.budget_bytes)}; nothing is recomputed"])
     evaluation = evaluate(graph, sol.kept())
     recomputed = [n for n in evaluation.active if graph.node_key[n]]
     lines.append(

@@ -267,7 +267,10 @@ class PeakPlan(Plan):
         plan's policy: ``jax.jit(jax.grad(plan.apply(loss)))`` is the whole change a user
         makes. ``fun`` is traced once per structure and types of its arguments. Where the
         plan gives a scan's layers saves of their own (``layer_groups``), that scan runs
-        them in consecutive groups, each checkpointed by its group's policy."""
+        them in consecutive groups, each checkpointed by its group's policy. Where the
+        step fits without any checkpoint (``solution.no_checkpoint``), ``fun`` itself."""
+        if self.solution.no_checkpoint:
+            return fun
         return self.placement.apply(fun, self._key_policy(), self.solution.groups,
                                     self.layer_policies())
 

@@ -163,6 +163,10 @@ class Solution(BaseModel):
     # ``node_decisions`` are then the plan of the first group, which saves least;
     # ``recompute_flops`` and ``residual_bytes`` count every group's layers.
     layer_groups: list[LayerGroup] | None = Field(default=None, exclude_if=lambda v: v is None)
+    # A peak plan whose step without any checkpoint fits the budget as measured
+    # (``client.peak.planner``): applied, the function is left as it is. Every node is then
+    # saved and ``peak_bytes`` is that step's measured peak.
+    no_checkpoint: bool | None = Field(default=None, exclude_if=lambda v: v is None)
 
     @property
     def planned(self) -> bool:

@@ -164,7 +164,8 @@ def test_the_users_checkpoints_are_regions_whose_policy_the_plan_sets() -> None:
 
 def test_a_plan_says_how_it_found_its_blocks(extracted) -> None:
     params = _params()
-    plan = optimize_quietly(unrolled, params, X, budget=_peak(unrolled, params, X))
+    # Under the no-remat peak: at it, the plan adds no checkpoint at all.
+    plan = optimize_quietly(unrolled, params, X, budget=_peak(unrolled, params, X) * 9 // 10)
     text = plan.explain()
     assert "repeated block at" in text and "lax.scan" not in text
 
@@ -255,11 +256,30 @@ def test_a_plan_holds_in_this_process_as_it_compiles() -> None:
         measured = _users_peak(plan.apply(unrolled), params, X)
         assert measured <= budget
         assert abs(measured - plan.peak_bytes) <= 0.01 * measured
+        assert plan.verify(unrolled, params, X, peak=True).measured_peak_bytes == measured
+        if budget == no_remat:  # "no checkpoint" is the plan there: nothing recomputed
+            assert plan.solution.no_checkpoint and plan.recompute_flops == 0
+            assert plan.apply(unrolled) is unrolled
+            assert "no checkpoint: the training step as written peaks at" in plan.explain()
+            again = type(plan.solution).model_validate_json(plan.solution.model_dump_json())
+            assert again == plan.solution
+            continue
+        assert not plan.solution.no_checkpoint and plan.recompute_flops > 0
         assert ("With the barriers kept the same plan measures" in plan.explain()) == merged
         if merged:  # the figure it names is the plan's own, the barriers kept
             kept = f"{_peak(plan.apply(unrolled), params, X) / 2**20:.2f} MiB"
             assert f"the same plan measures {kept}" in plan.schedule_note
-        assert plan.verify(unrolled, params, X, peak=True).measured_peak_bytes == measured
+
+
+def test_at_the_no_remat_peak_a_loop_model_recomputes_nothing() -> None:
+    """Planned for the barriers kept too: the step as written is a plan, and at its peak
+    the one that recomputes least; a budget under it is not answered with it."""
+    params = _params()
+    no_remat = _peak(unrolled, params, X)
+    plan = optimize_quietly(unrolled, params, X, budget=no_remat)
+    assert plan.solution.no_checkpoint and plan.peak_bytes == no_remat
+    below = optimize_quietly(unrolled, params, X, budget=no_remat - 1)
+    assert not below.solution.no_checkpoint and below.peak_bytes < no_remat
 
 
 def test_a_scan_stack_and_unrolled_blocks_after_it_are_both_regions() -> None:

@@ -29,8 +29,13 @@ from optiremat.client.schedule import (
     merged_schedule_note,
     schedule_advice,
 )
-from optiremat.solver.solution import InfeasibleBudgetError, Solution
+from optiremat.client.step import lowered_peak
+from optiremat.solver.graph import CostGraph
+from optiremat.solver.peak import BudgetView
+from optiremat.solver.semantics import evaluate
+from optiremat.solver.solution import Decision, InfeasibleBudgetError, Solution, SolveStatus
 from optiremat.solver.solve import Solver
+from optiremat.solver.step import RegionFound
 
 if TYPE_CHECKING:
     from optiremat.client.planning import PlanRequest
@@ -74,6 +79,11 @@ def plan_peak(fun: Callable, traced: Traced, args: Sequence, request: PlanReques
                                        name_inputs=request.offload, scopes=request.scopes)
     graph, options, regions = extracted.graph, request.tied(), extracted.regions
 
+    def _plan(solution: Solution, note: str) -> PeakPlan:
+        return PeakPlan(graph, solution, traced, options,
+                        key_aliases=extracted.extraction.key_aliases, placement=placement,
+                        schedule=request.schedule, schedule_note=note)
+
     def solve_at(budget: int) -> Solution:
         return solve_fn(graph, budget, options)
 
@@ -93,6 +103,14 @@ def plan_peak(fun: Callable, traced: Traced, args: Sequence, request: PlanReques
         else:
             solution = solve_at(budget_bytes)
     except InfeasibleBudgetError as err:
+        written = as_written_peak(fun, args, placement) if measured(request) else None
+        if written is not None and written <= budget_bytes:
+            # Any solve gives the record its solver and options: saving everything fits.
+            like = solve_at(BudgetView.of(graph, None).predicted([True] * graph.num_nodes))
+            return _plan(no_checkpoint(graph, like, budget_bytes, written), "")
+        if written is not None:  # it is a plan too: the smallest budget is at most its peak
+            err = InfeasibleBudgetError(err.budget_bytes, min(err.min_budget_bytes, written),
+                                        err.why)
         if for_merged:
             kept = step_measure(fun, args, extracted, placement, keep_barriers=True)
             raise InfeasibleBudgetError(
@@ -104,6 +122,10 @@ def plan_peak(fun: Callable, traced: Traced, args: Sequence, request: PlanReques
                              extracted.differentiated)
         raise InfeasibleBudgetError(err.budget_bytes, err.min_budget_bytes,
                                     f"No plan can lower the peak: {why}") from None
+    if measured(request) and solution.recompute_flops > 0:
+        written = as_written_peak(fun, args, placement)
+        if written is not None and written <= budget_bytes:
+            return _plan(no_checkpoint(graph, solution, budget_bytes, written), "")
     note = ""
     if for_merged and solution.peak_bytes is not None:
         kept = step_measure(fun, args, extracted, placement, keep_barriers=True)
@@ -112,6 +134,31 @@ def plan_peak(fun: Callable, traced: Traced, args: Sequence, request: PlanReques
                                  None if not groups or all(k == 1 for k in groups)
                                  else tuple(groups))
         note = merged_schedule_note(solution.peak_bytes, kept_peak)
-    return PeakPlan(graph, solution, traced, options,
-                    key_aliases=extracted.extraction.key_aliases, placement=placement,
-                    schedule=request.schedule, schedule_note=note)
+    return _plan(solution, note)
+
+
+def as_written_peak(fun: Callable, args: Sequence, placement: Placement) -> int | None:
+    """The measured peak of ``fun``'s step with no checkpoint added, where that is a plan
+    the solver's graph does not offer: a step with blocks of straight-line code, none of
+    them the user's own checkpoint (whose step as written recomputes). A plan for a scan
+    saving everything is already the step's own peak; blocks saving everything are not
+    (each block's checkpoint keeps its outputs apart: on jax 0.10 CPU, an unrolled Llama
+    planned at its no-remat peak recomputed 3e6 FLOPs). None where it is not a plan."""
+    regions = placement.regions
+    if not keeps_barriers(regions) or any(r.found == RegionFound.CHECKPOINT for r in regions):
+        return None
+    return lowered_peak(placement.step.function(fun).lower(*args))
+
+
+def no_checkpoint(graph: CostGraph, like: Solution, budget: int, peak: int) -> Solution:
+    """The plan that adds no checkpoint (``Solution.no_checkpoint``), whose step measured
+    ``peak``: every node saved, nothing recomputed; solver and options those of ``like``."""
+    saves = [True] * graph.num_nodes
+    return like.model_copy(update={
+        "budget_bytes": budget, "status": SolveStatus.FEASIBLE,
+        "residual_bytes": evaluate(graph, saves).residual_bytes, "recompute_flops": 0,
+        "lower_bound_flops": 0, "gap": 0.0,
+        "saved_keys": sorted({k for k in graph.node_key if k}), "offloaded_keys": [],
+        "node_decisions": [Decision.SAVE] * graph.num_nodes, "baselines": None,
+        "offload": None, "peak_bytes": peak, "working_bytes": None, "groups": None,
+        "collective_bytes": None, "layer_groups": None, "no_checkpoint": True})
