@@ -157,6 +157,13 @@ def source_of(eqn: core.JaxprEqn) -> str:
     return source_info_util.summarize(eqn.source_info)
 
 
+def frames_of(eqn: core.JaxprEqn) -> list[tuple[str, int, str]]:
+    """Where ``eqn`` was traced outside JAX, innermost first: (file, line, function) per
+    frame of its traceback (JAX's own frames and the standard library's left out)."""
+    return [(f.file_name, f.start_line, f.function_name)
+            for f in source_info_util.user_frames(eqn.source_info.traceback)]
+
+
 def new_name_eqn(src: core.Var, name: str, like: core.JaxprEqn) -> tuple[core.Var, core.JaxprEqn]:
     """``dst = name[name](src)``: what ``checkpoint_name`` binds."""
     dst = core.Var(src.aval)

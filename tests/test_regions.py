@@ -75,6 +75,9 @@ def _block(p: dict, x: jax.Array) -> jax.Array:
     return x + jnp.tanh(x @ p["w1"]) @ p["w2"]
 
 
+_BLOCK_LINE = _block.__code__.co_firstlineno + 1
+
+
 def unrolled(params: list[dict], x: jax.Array) -> jax.Array:
     for p in params:
         x = _block(p, x)
@@ -110,6 +113,10 @@ def test_a_python_loop_has_one_repeated_block_per_layer(extracted) -> None:
     assert {(r.kind, r.found) for r in regions} == {(RegionKind.BLOCK, RegionFound.REPEATED)}
     assert len({r.program for r in regions}) == 1  # the same code: calibrated alike
     assert [r.end - r.start for r in regions] == [4] * LAYERS  # dot, tanh, dot, add
+    # Named where the user's code is: the block's line, told apart by its place.
+    assert [r.describe() for r in regions] == [
+        f"repeated block at test_regions.py:{_BLOCK_LINE} (_block), block {i} of {LAYERS}"
+        for i in range(1, LAYERS + 1)]
     graph = extracted.graph
     assert graph.schema_version == KINDS_SCHEMA_VERSION
     assert CostGraph.model_validate_json(graph.canonical_json()).content_hash \
@@ -299,3 +306,33 @@ def test_a_scan_stack_and_unrolled_blocks_after_it_are_both_regions() -> None:
     measured = _peak(plan.apply(mixed), params, X)
     assert measured <= int(no_remat * 0.8)
     assert abs(measured - plan.peak_bytes) <= 0.01 * measured
+
+
+def test_a_block_traced_through_a_librarys_wrappers_is_named_at_the_users_line(
+        tmp_path, monkeypatch) -> None:
+    """Every operation of these blocks is traced inside an installed library's wrapper
+    (as a named-axis library wraps each op): the name is the user's line that called it,
+    with the module path it runs under."""
+    library = tmp_path / "site-packages"
+    library.mkdir()
+    (library / "wrapping_lib.py").write_text(
+        "def wrapped(op, *args):\n"
+        "    return op(*args)\n")
+    monkeypatch.syspath_prepend(str(library))
+    from wrapping_lib import wrapped  # type: ignore[import-not-found]
+
+    def layer(p, x):
+        with jax.named_scope("decoder"):
+            h = wrapped(jnp.tanh, wrapped(jnp.matmul, x, p["w1"]))
+            return x + wrapped(jnp.matmul, h, p["w2"])
+
+    def model(params, x):
+        for p in params:
+            x = layer(p, x)
+        return jnp.mean(x ** 2)
+
+    line = layer.__code__.co_firstlineno + 2
+    regions = step_extraction(model, (_params(3), X), STEP).regions
+    assert [r.describe() for r in regions] == [
+        f"repeated block at test_regions.py:{line} ({layer.__qualname__}) in decoder, "
+        f"block {i} of 3" for i in (1, 2, 3)]

@@ -18,8 +18,9 @@ times) cannot be given a static place: an error names it.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import optiremat.client._jax_internals as jx
@@ -239,13 +240,49 @@ class _Finder:
 
 
 def _user_source(eqns: Sequence) -> str:
-    """Where a block is in the user's code: its first equation outside installed
-    libraries (an Equinox layer's first equation is in Equinox's LayerNorm), with the
-    name scope it runs under, if any (a Flax module's path)."""
-    sources = [jx.source_of(e) for e in eqns]
-    source = next((s for s in sources if not any(d in s for d in _LIBRARIES)), sources[0])
-    scope = str(eqns[0].source_info.name_stack)
-    return f"{source} in {scope}" if scope else source
+    """Where a block is in the user's code, in words a user reads: the line of the first
+    equation traced from the user's own code (the innermost frame outside installed
+    libraries: an Equinox layer's first equation is in Equinox's LayerNorm, a penzai
+    block's every operation in its named-axis wrappers), with the name scope all its
+    equations run under, if any (a Flax module's path: ``h_2``)."""
+    line, scope = _block_line(eqns), _common_scope(eqns)
+    return f"{line} in {scope}" if scope else line
+
+
+def _block_line(eqns: Sequence) -> str:
+    return next((_line(frame) for e in eqns for frame in jx.frames_of(e)
+                 if not _in_library(frame[0])), None) or jx.source_of(eqns[0])
+
+
+def _line(frame: tuple[str, int, str]) -> str:
+    file, line, function = frame
+    return f"{os.path.basename(file)}:{line} ({function})"
+
+
+def _in_library(file: str) -> bool:
+    return any(part in file for part in _LIBRARIES)
+
+
+def _common_scope(eqns: Sequence) -> str:
+    """The name scope every equation of ``eqns`` runs under (a module's path)."""
+    stacks = [str(e.source_info.name_stack).split("/") for e in eqns]
+    common = os.path.commonprefix(stacks)
+    return "/".join(common)
+
+
+def _numbered(regions: list[Region]) -> list[Region]:
+    """Blocks at the same place in the user's code (a Python loop's layers: the same line
+    each time) told apart by their place among them: "..., block 3 of 6"."""
+    same: dict[str, list[int]] = {}
+    for i, r in enumerate(regions):
+        if isinstance(r, BlockRegion):
+            same.setdefault(_block_line(r.eqns), []).append(i)
+    numbered = list(regions)
+    for indices in same.values():
+        for k, i in enumerate(indices if len(indices) > 1 else []):
+            numbered[i] = replace(regions[i], source=f"{regions[i].source}, block {k + 1} "
+                                                     f"of {len(indices)}")
+    return numbered
 
 
 _LIBRARIES = ("site-packages", "dist-packages")
@@ -307,7 +344,7 @@ def find_regions(closed: jx.ClosedJaxpr, differentiated: Sequence[bool],
         raise PlacementError(
             f"regions={list(missing)} names no equation of the function: no name scope "
             f"starts with it. Scopes seen: {listed or 'none (the function names no scope)'}")
-    return finder.found
+    return _numbered(finder.found)
 
 
 def why_no_regions(closed: jx.ClosedJaxpr, differentiated: Sequence[bool]) -> str:
