@@ -33,6 +33,8 @@ from typing import Literal
 import jax
 import jax.numpy as jnp
 
+from optiremat.solver.units import format_bytes
+
 # The pass that removes checkpoint barriers, and how to disable it for one compile.
 BARRIER_PASS = "cse_barrier_expander"
 MEMORY_SCHEDULE_OPTIONS: dict[str, str] = {"xla_disable_hlo_passes": BARRIER_PASS}
@@ -98,13 +100,10 @@ def memory_compile_options() -> dict[str, str]:
 def merged_schedule_note(peak_bytes: int, kept_peak_bytes: int) -> str:
     """What a plan for this process (whose compiles merge checkpointed blocks back into the
     forward pass) would measure with the barriers kept."""
-    mib = 2**20
     return (f"Planned for this process's own compile, which merges checkpointed blocks back "
-            f"into the forward pass ({BARRIER_PASS}): {peak_bytes / mib:.2f} MiB. With the "
-            f"barriers kept the same plan measures {kept_peak_bytes / mib:.2f} MiB, and plans "
-            f"reach lower: set XLA_FLAGS={MEMORY_SCHEDULE_FLAG} before JAX starts and plan "
-            "again, or plan with schedule='barriers_kept' for a step compiled with "
-            f"compiler_options={MEMORY_SCHEDULE_OPTIONS!r}.")
+            f"into the forward pass ({BARRIER_PASS}): {format_bytes(peak_bytes)}. With the "
+            f"barriers kept the same plan measures {format_bytes(kept_peak_bytes)}, and plans "
+            f"reach lower: {_BARRIERS_KEPT}.")
 
 
 def merged_infeasible_why(kept_min_budget_bytes: int) -> str:
@@ -112,9 +111,13 @@ def merged_infeasible_why(kept_min_budget_bytes: int) -> str:
     return (f"This process's XLA ({BARRIER_PASS}) merges checkpointed blocks back into the "
             f"forward pass, and plans are made for its own compile; with the barriers kept "
             f"plans reach down to {kept_min_budget_bytes} bytes "
-            f"({kept_min_budget_bytes / 2**20:.2f} MiB): set XLA_FLAGS={MEMORY_SCHEDULE_FLAG} "
-            "before JAX starts and plan again, or plan with schedule='barriers_kept' for a "
-            f"step compiled with compiler_options={MEMORY_SCHEDULE_OPTIONS!r}")
+            f"({format_bytes(kept_min_budget_bytes)}): {_BARRIERS_KEPT}")
+
+
+# How a user plans for the barriers kept, in this process or in a compile of their own.
+_BARRIERS_KEPT = (f"set XLA_FLAGS={MEMORY_SCHEDULE_FLAG} before JAX starts and plan again, or "
+                  "plan with schedule='barriers_kept' for a step compiled with "
+                  f"compiler_options={MEMORY_SCHEDULE_OPTIONS!r}")
 
 
 def schedule_advice() -> str:

@@ -24,6 +24,7 @@ from optiremat.client.step import Step, lowered_peak, measured_peak
 from optiremat.solver.graph import KINDS_SCHEMA_VERSION, CostGraph
 from optiremat.solver.solution import InfeasibleBudgetError
 from optiremat.solver.step import RegionFound, RegionKind
+from optiremat.solver.units import format_bytes
 from tests.explain_checks import check_explained
 
 D, B, LAYERS = 64, 256, 4
@@ -274,7 +275,7 @@ def test_a_plan_holds_in_this_process_as_it_compiles() -> None:
         assert not plan.solution.no_checkpoint and plan.recompute_flops > 0
         assert ("With the barriers kept the same plan measures" in plan.explain()) == merged
         if merged:  # the figure it names is the plan's own, the barriers kept
-            kept = f"{_peak(plan.apply(unrolled), params, X) / 2**20:.2f} MiB"
+            kept = format_bytes(_peak(plan.apply(unrolled), params, X))
             assert f"the same plan measures {kept}" in plan.schedule_note
 
 

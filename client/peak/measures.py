@@ -94,13 +94,18 @@ class StepMeasure:
             self._split_peaks[split] = self.split_peak_of(split)
         return self._split_peaks[split]
 
-    def measure(self, saves: Sequence[bool], keys: frozenset[str],
-                groups: Sequence[int] | None) -> tuple[int, int]:
-        assert self.graph.step is not None
+    def measured(self, keys: frozenset[str], groups: Sequence[int] | None) -> int:
+        """XLA's peak of the step saving the policy keys ``keys`` in ``groups``."""
         key = (keys, None if groups is None or all(k == 1 for k in groups) else tuple(groups))
         if key not in self._peaks:
             self._peaks[key] = self.peak_of(*key)
-        delta = self._peaks[key] - BudgetView.of(self.graph, None, groups).predicted(list(saves))
+        return self._peaks[key]
+
+    def measure(self, saves: Sequence[bool], keys: frozenset[str],
+                groups: Sequence[int] | None) -> tuple[int, int]:
+        assert self.graph.step is not None
+        delta = (self.measured(keys, groups)
+                 - BudgetView.of(self.graph, None, groups).predicted(list(saves)))
         return delta, _beyond_residuals(self.graph, saves, groups, delta)
 
 

@@ -129,11 +129,8 @@ def plan_peak(fun: Callable, traced: Traced, args: Sequence, request: PlanReques
     note = ""
     if for_merged and solution.peak_bytes is not None:
         kept = step_measure(fun, args, extracted, placement, keep_barriers=True)
-        groups = solution.groups
-        kept_peak = kept.peak_of(frozenset(solution.saved_keys),
-                                 None if not groups or all(k == 1 for k in groups)
-                                 else tuple(groups))
-        note = merged_schedule_note(solution.peak_bytes, kept_peak)
+        note = merged_schedule_note(solution.peak_bytes, kept.measured(
+            frozenset(solution.saved_keys), solution.groups))
     return _plan(solution, note)
 
 
