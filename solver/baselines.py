@@ -64,14 +64,32 @@ def policy_saves(graph: CostGraph) -> dict[str, list[bool]]:
 
 def offered_saves(graph: CostGraph, saves: Sequence[bool]) -> list[bool]:
     """``saves`` restricted to what a policy is offered: a node without a policy key
-    is never asked, so a policy applied to the step cannot save it."""
-    return [s and bool(key) for s, key in zip(saves, graph.node_key, strict=True)]
+    is never asked, so a policy applied to the step cannot save it; nor can the plan's
+    policy save a node its graph recomputes whatever it decides (a names-only plan's
+    unnamed values)."""
+    return [s and bool(key) and mode != NodeMode.RECOMPUTE
+            for s, key, mode in zip(saves, graph.node_key, graph.node_mode, strict=True)]
 
 
 def builtin_offered_saves(graph: CostGraph) -> dict[str, list[bool]]:
     """Per built-in policy the graph can express, what it saves of what it is offered
     (``policy_saves`` through ``offered_saves``): the built-in applied to the step."""
     return {name: offered_saves(graph, saves) for name, saves in policy_saves(graph).items()}
+
+
+def builtin_named_saves(graph: CostGraph) -> dict[str, list[bool]]:
+    """Per built-in policy, where the plan decides named values only (a names-only graph:
+    every other node recomputed whatever it decides), the names it would keep: a name
+    saved where the equation whose value it names is saved by the built-in, as MaxText's
+    ``minimal`` names the dots ``dots_with_no_batch_dims_saveable`` saves."""
+    producer, inputs = graph.producer, graph.node_inputs
+
+    def named(n: int, saves: Sequence[bool]) -> bool:
+        return (graph.node_primitive[n] == "name" and graph.node_mode[n] == NodeMode.FREE
+                and any(p is not None and saves[p] for p in (producer[v] for v in inputs[n])))
+
+    return {name: [named(n, saves) for n in range(graph.num_nodes)]
+            for name, saves in policy_saves(graph).items()}
 
 
 def greedy_saves(graph: CostGraph, budget_bytes: int) -> list[bool]:

@@ -21,13 +21,14 @@ regions' checkpoints left to the solver.
 """
 
 from optiremat.client.extract.graphs import Extraction, extract_graph, graph_of_traced
-from optiremat.client.extract.state import NAME_PREFIX, ExtractionError
+from optiremat.client.extract.state import NAME_PREFIX, ExtractionError, NamesOnly
 from optiremat.client.extract.tracing import Traced, trace
 
 __all__ = [
     "NAME_PREFIX",
     "ExtractionError",
     "Extraction",
+    "NamesOnly",
     "Traced",
     "extract_graph",
     "graph_of_traced",

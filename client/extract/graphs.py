@@ -10,9 +10,8 @@ import jax
 import optiremat.client._jax_internals as jx
 from optiremat.client.extract.state import (
     Context,
+    NamesOnly,
     Ref,
-    decide_by_names,
-    decide_by_names_fixed,
     decide_by_policy,
     widens_stacked_halves,
 )
@@ -40,10 +39,11 @@ class Extraction:
     key_aliases: dict[str, frozenset[str]] = field(default_factory=dict)
 
 
-def graph_of_traced(traced: Traced, *, names: bool = False, name: str = "", step: bool = False,
-                    differentiated: Sequence[bool] | None = None,
+def graph_of_traced(traced: Traced, *, names: bool | NamesOnly = False, name: str = "",
+                    step: bool = False, differentiated: Sequence[bool] | None = None,
                     step_memory: StepMemory | None = None) -> Extraction:
-    """The cost graph of ``traced``; with ``names``, as ``save_only_these_names`` sees it.
+    """The cost graph of ``traced``; with ``names``, as ``save_only_these_names`` sees it
+    (a ``NamesOnly``: over those names only), one decision per name wherever it is bound.
 
     By default the whole function is under one ``jax.checkpoint``. With ``step``
     it is differentiated as it stands (``traced`` is a placed function: its
@@ -57,10 +57,10 @@ def graph_of_traced(traced: Traced, *, names: bool = False, name: str = "", step
     jvp, jvp_consts = jx.jvp_jaxpr(traced.closed, nonzeros)
     b = GraphBuilder(name)
     b.step = step_memory
-    decide = decide_by_names if names else decide_by_policy
-    walker = Walker(b, decide, decide_by_names_fixed if names else None,
-                     widen_stacked_halves=step_memory is not None
-                     and widens_stacked_halves())
+    offered = NamesOnly() if names is True else names or None
+    walker = Walker(b, decide_by_policy if offered is None else offered.decide,
+                    None if offered is None else offered.fixed,
+                    widen_stacked_halves=step_memory is not None and widens_stacked_halves())
     layout = walker.layout = traced.layout
     # Tangents are split as their primals; constants are whole on every device.
     primal_specs = [None] * traced.num_consts + list(layout.argument_specs)
@@ -88,12 +88,22 @@ def graph_of_traced(traced: Traced, *, names: bool = False, name: str = "", step
     for n in b.nodes:
         if n["key"] in walker.keys_forced_save:
             n["mode"] = NodeMode.SAVE
+    if offered is not None:  # a names policy decides by name, whatever its shape
+        walker.tie_groups.extend(keys_by_name(walker.names_by_key).values())
     aliases = merge_tie_groups(walker.tie_groups)
     for n in b.nodes:
         for representative, keys in aliases.items():
             if n["key"] in keys:
                 n["key"] = representative
     return Extraction(b.build(), dict(walker.names_by_key), aliases)
+
+
+def keys_by_name(names_by_key: dict[str, str]) -> dict[str, set[str]]:
+    """The policy keys of each checkpoint name."""
+    keys: dict[str, set[str]] = {}
+    for key, name in names_by_key.items():
+        keys.setdefault(name, set()).add(key)
+    return keys
 
 
 def merge_tie_groups(groups: Sequence[set[str]]) -> dict[str, frozenset[str]]:

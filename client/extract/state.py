@@ -158,9 +158,25 @@ def decide_by_policy(eqn: jx.core.JaxprEqn) -> NodeMode:
     return NodeMode.FREE
 
 
-def decide_by_names(eqn: jx.core.JaxprEqn) -> NodeMode:
-    """Names graphs: ``save_only_these_names`` recomputes all but ``name`` equations."""
-    return NodeMode.FREE if eqn.primitive is jx.name_p else NodeMode.RECOMPUTE
+@dataclass(frozen=True)
+class NamesOnly:
+    """What a names policy (``save_and_offload_only_these_names``) is offered: the
+    ``name`` equations of ``checkpoint_name``, those of ``names`` only where given (the
+    names a framework's config can set); it recomputes every other equation."""
+
+    names: frozenset[str] | None = None  # None: every name
+
+    def offers(self, eqn: jx.core.JaxprEqn) -> bool:
+        return eqn.primitive is jx.name_p and (self.names is None
+                                               or eqn.params["name"] in self.names)
+
+    def decide(self, eqn: jx.core.JaxprEqn) -> NodeMode:
+        """The plan decides the names offered; the rest is recomputed."""
+        return NodeMode.FREE if self.offers(eqn) else NodeMode.RECOMPUTE
+
+    def fixed(self, eqn: jx.core.JaxprEqn) -> NodeMode:
+        """Inside cond branches a names policy saves exactly the names offered."""
+        return NodeMode.SAVE if self.offers(eqn) else NodeMode.RECOMPUTE
 
 
 def primal_mode(ctx: Context) -> NodeMode:
@@ -187,8 +203,3 @@ def fixed_save(eqn) -> NodeMode:
 
 def fixed_recompute(eqn) -> NodeMode:
     return NodeMode.SAVE if jx.has_effects(eqn) else NodeMode.RECOMPUTE
-
-
-def decide_by_names_fixed(eqn) -> NodeMode:
-    """Inside cond branches a names policy saves exactly the named values."""
-    return NodeMode.SAVE if eqn.primitive is jx.name_p else NodeMode.RECOMPUTE

@@ -39,7 +39,7 @@ from collections.abc import Callable, Sequence
 from optiremat.client.peak.measures import LayerMeasure, PeakMeasure
 from optiremat.client.peak.regions import Region
 from optiremat.solver.baselines import builtin_offered_saves
-from optiremat.solver.graph import CostGraph
+from optiremat.solver.graph import CostGraph, NodeMode
 from optiremat.solver.peak import BudgetView
 from optiremat.solver.semantics import (
     baseline_backward_flops,
@@ -63,19 +63,23 @@ SolveAt = Callable[[int], Solution]
 
 
 def refined_solve(graph: CostGraph, regions: Sequence[Region], budget: int,
-                  solve_at: SolveAt, measure: PeakMeasure | None = None) -> Solution:
+                  solve_at: SolveAt, measure: PeakMeasure | None = None,
+                  presets: Sequence[Sequence[bool]] = ()) -> Solution:
     """The plan for ``budget`` whose peak, measured, fits.
 
     ``solve_at(b)`` solves ``graph`` (a step's) at budget ``b``, which assumes the
     step's calibrated working sets; ``measure`` says what a plan's peak is (by default
-    its regions' layers compiled, ``LayerMeasure``). Raises InfeasibleBudgetError when
-    no plan fits, naming the smallest budget refinement plans (``smallest_budget``).
+    its regions' layers compiled, ``LayerMeasure``). ``presets`` are plans the answer is
+    never worse than where they fit as measured, each measured (a framework's presets: a
+    names-only plan is compared with them, ``client.frameworks``). Raises
+    InfeasibleBudgetError when no plan fits, naming the smallest budget refinement plans
+    (``smallest_budget``).
     """
     measure = LayerMeasure(graph, regions) if measure is None else measure
-    answer = _Refinement(graph, budget, solve_at, measure).run()
+    answer = _Refinement(graph, budget, solve_at, measure, presets).run()
     if answer is not None:
         return answer
-    least, found = _smallest_answer(graph, solve_at, measure)
+    least, found = _smallest_answer(graph, solve_at, measure, presets)
     # The search from the smallest budget can meet a plan this budget's did not (on a
     # Flax decoder planned for jax 0.10's own CPU compile, the solver's plan saving
     # everything measured 1 KiB under the built-in that led this budget's search there):
@@ -90,24 +94,25 @@ def refined_solve(graph: CostGraph, regions: Sequence[Region], budget: int,
 MAX_DESCENTS = 3
 
 
-def smallest_budget(graph: CostGraph, solve_at: SolveAt, measure: PeakMeasure) -> int:
+def smallest_budget(graph: CostGraph, solve_at: SolveAt, measure: PeakMeasure,
+                    presets: Sequence[Sequence[bool]] = ()) -> int:
     """The smallest budget refinement plans, whatever was asked before: the least
     measured peak of the solver's smallest plan and of every candidate
     (``_Refinement._candidates``: the built-ins, the names alone), then refined at that
     budget until the plan it answers peaks there. Depends on the graph and the measure
     only, so an infeasible budget names the same minimum in any order and any process
     (issue: a penzai stack's minimum moved with the budgets planned before)."""
-    return _smallest_answer(graph, solve_at, measure)[0]
+    return _smallest_answer(graph, solve_at, measure, presets)[0]
 
 
-def _smallest_answer(graph: CostGraph, solve_at: SolveAt,
-                     measure: PeakMeasure) -> tuple[int, Solution | None]:
+def _smallest_answer(graph: CostGraph, solve_at: SolveAt, measure: PeakMeasure,
+                     presets: Sequence[Sequence[bool]]) -> tuple[int, Solution | None]:
     """``smallest_budget``, and the plan found peaking there (None where the least was a
     candidate measured whose search did not come back to it)."""
-    start = _Refinement(graph, 0, solve_at, measure)
+    start = _Refinement(graph, 0, solve_at, measure, presets)
     least, found = start.smallest_measured(), None
     for _ in range(MAX_DESCENTS):
-        answer = _Refinement(graph, least, solve_at, measure).run()
+        answer = _Refinement(graph, least, solve_at, measure, presets).run()
         if answer is None or answer.peak_bytes is None:
             break  # not expected: a plan peaking at ``least`` was measured
         settled = answer.peak_bytes >= least
@@ -119,9 +124,10 @@ def _smallest_answer(graph: CostGraph, solve_at: SolveAt,
 
 class _Refinement:
     def __init__(self, graph: CostGraph, budget: int, solve_at: SolveAt,
-                 measure: PeakMeasure) -> None:
+                 measure: PeakMeasure, presets: Sequence[Sequence[bool]] = ()) -> None:
         assert graph.step is not None
         self.graph, self.budget, self.solve_at, self.measure = graph, budget, solve_at, measure
+        self.presets = [list(p) for p in presets]
         # A floor on a plan's peak whatever its working sets: at the forward pass's end
         # every residual is live.
         view = BudgetView.of(graph, None)
@@ -203,7 +209,7 @@ class _Refinement:
         leanest find the plans a budget at a preset's peak holds, the fewest FLOPs the
         presets that save more than the calibration suggests they fit."""
         g = self.graph
-        candidates = list(builtin_offered_saves(g).values())
+        candidates = [*self.presets, *builtin_offered_saves(g).values()]
         # A name whose value is kept anyway (a layer's input) changes nothing saved.
         kept = evaluate(g, [False] * g.num_nodes).residuals
         alone = {key: saves for key in _names_in_order(g)
@@ -233,8 +239,10 @@ class _Refinement:
             predicted = view.predicted(offered)
             if self.floor_holds and predicted - self.unmeasured_share > self.budget:
                 continue  # over the budget whatever its working sets
-            if self.best is not None and self.candidates_measured >= MAX_CANDIDATES_MEASURED:
-                return
+            preset = offered in self.presets  # always measured: the answer is never worse
+            if (not preset and self.best is not None
+                    and self.candidates_measured >= MAX_CANDIDATES_MEASURED):
+                continue
             self.candidates_measured += 1
             keys, shift = self._candidate_shift(offered)
             if predicted + shift > self.budget:
@@ -254,7 +262,9 @@ class _Refinement:
     def _candidate_shift(self, offered: Sequence[bool]) -> tuple[frozenset[str], int]:
         """The policy keys of the candidate saving ``offered``, and how far its measured
         peak is from its price."""
-        keys = frozenset(k for k, s in zip(self.graph.node_key, offered, strict=True) if s)
+        g = self.graph
+        keys = frozenset(k for k, s, m in zip(g.node_key, offered, g.node_mode, strict=True)
+                         if s and m != NodeMode.RECOMPUTE)
         return keys, self.measure.measure(offered, keys, None)[0]
 
     def _smallest_plan(self) -> Solution:
@@ -319,9 +329,11 @@ class _Refinement:
 
 
 def _names_in_order(graph: CostGraph) -> list[str]:
-    """The policy keys of the values named with ``checkpoint_name``, in program order."""
-    keys = (k for k, p in zip(graph.node_key, graph.node_primitive, strict=True)
-            if p == "name" and k)
+    """The policy keys of the values named with ``checkpoint_name`` that the plan decides
+    (a names-only plan may decide some names only), in program order."""
+    keys = (k for k, p, m in zip(graph.node_key, graph.node_primitive, graph.node_mode,
+                                 strict=True)
+            if p == "name" and k and m == NodeMode.FREE)
     return list(dict.fromkeys(keys))
 
 

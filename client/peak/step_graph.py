@@ -15,6 +15,7 @@ import jax
 
 import optiremat.client._jax_internals as jx
 from optiremat.client.extract.graphs import Extraction, graph_of_traced
+from optiremat.client.extract.state import NamesOnly
 from optiremat.client.extract.tracing import Traced, trace
 from optiremat.client.peak.calibration import assumed_working_bytes, calibrate_phases
 from optiremat.client.peak.finding import RegionMarker, find_regions
@@ -41,20 +42,23 @@ class StepExtraction:
 
 
 def step_extraction(fun: Callable, args: Sequence, step: Step, *, name: str = "",
-                    name_inputs: bool = False, scopes: Sequence[str] = ()) -> StepExtraction:
+                    name_inputs: bool = False, scopes: Sequence[str] = (),
+                    names: NamesOnly | None = None) -> StepExtraction:
     """The cost graph of ``step`` (``jax.jit(jax.grad(fun, argnums))``) with a remat
     region in every differentiated ``lax.scan`` (``client.peak.placement``), and what
     the step holds and each region's working set (one compile per distinct layer).
-    With ``name_inputs`` each layer's input is offered to the plan too (to offload)."""
+    With ``name_inputs`` each layer's input is offered to the plan too (to offload); with
+    ``names`` only the names it offers are (a names-only plan's graph)."""
     return traced_step_extraction(trace(fun, args, {}), args, step, name=name,
-                                  name_inputs=name_inputs, scopes=scopes)
+                                  name_inputs=name_inputs, scopes=scopes, names=names)
 
 
 def traced_step_extraction(traced: Traced, args: Sequence, step: Step, *, name: str = "",
-                           name_inputs: bool = False,
-                           scopes: Sequence[str] = ()) -> StepExtraction:
+                           name_inputs: bool = False, scopes: Sequence[str] = (),
+                           names: NamesOnly | None = None) -> StepExtraction:
     """``step_extraction`` of a function already traced at ``args``: every later trace
-    and compile evaluates its jaxpr, never the function again."""
+    and compile evaluates its jaxpr, never the function again. With ``names`` the plan
+    decides only the names it offers (``optimize(..., saveable=)``)."""
     step.check(args)
     traced.check_differentiable()  # before the compiles that measure working sets
     flags = step.differentiated(args)
@@ -91,7 +95,8 @@ def traced_step_extraction(traced: Traced, args: Sequence, step: Step, *, name: 
     memory = StepMemory(argument_bytes=arguments, output_bytes=outputs, alias_bytes=aliases,
                         regions=[r.memory(assumed_working_bytes(r)) for r in regions])
     extraction = graph_of_traced(trace(marked, traced.flat_args, {}), name=name, step=True,
-                                 differentiated=flags, step_memory=memory)
+                                 differentiated=flags, step_memory=memory,
+                                 names=names or False)
 
     calibrated = calibrate_phases(extraction.graph, regions,
                                   lambda policy: step_memory(policy).peak_bytes)
