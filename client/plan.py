@@ -18,12 +18,18 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from functools import cached_property
-from typing import ClassVar, Literal
+from typing import Any, ClassVar, Literal
 
 import jax
 
 import optiremat.client._jax_internals as jx
 from optiremat.client.extract import Traced, graph_of_traced, trace
+from optiremat.client.frameworks import (
+    framework_named,
+    levanter_policy,
+    maxtext_overrides,
+    names_decided,
+)
 from optiremat.client.measure import backward_flops, saved_residuals
 from optiremat.client.names import tag_every_value
 from optiremat.client.peak.placement import Placement, measured_with_barriers
@@ -123,6 +129,8 @@ class Plan:
     traced: Traced = field(repr=False)
     options: SolveOptions = field(default_factory=SolveOptions, repr=False)  # as asked
     key_aliases: dict[str, frozenset[str]] = field(default_factory=dict, repr=False)
+    # Policy key -> the ``checkpoint_name`` it binds, for the model's named values.
+    checkpoint_names: dict[str, str] = field(default_factory=dict, repr=False)
 
     # ---- predictions ------------------------------------------------------
 
@@ -225,6 +233,25 @@ class Plan:
         from optiremat.client.explain import explain_plan
 
         return explain_plan(self.graph, self.solution)
+
+    # ---- export to a framework's config (``client.frameworks``) -------------
+
+    def names_decided(self, framework: str = "maxtext") -> dict[str, str]:
+        """Per ``checkpoint_name`` the model binds, where the plan keeps it (``device``,
+        ``offload``, ``remat``); ``ExportError`` where ``framework`` cannot express it."""
+        return names_decided(self.graph, self.solution, self.key_aliases,
+                             self.checkpoint_names, framework_named(framework))
+
+    def to_maxtext(self) -> dict[str, Any]:
+        """MaxText's config overrides that build this plan's policy: ``remat_policy:
+        custom`` and each named tensor's ``remat``, ``device`` or ``offload`` (plan with
+        ``saveable="maxtext"``; a plan MaxText cannot express raises ``ExportError``)."""
+        return maxtext_overrides(self.names_decided("maxtext"))
+
+    def to_levanter(self) -> dict[str, Any]:
+        """Haliax's ``ScanCheckpointPolicy`` fields that build this plan's policy (Levanter's
+        ``model.gradient_checkpointing``; plan with ``saveable="levanter"``)."""
+        return levanter_policy(self.names_decided("levanter"))
 
     def _args(self, args: tuple) -> tuple:
         """The arguments to verify at: those given, else the ones the plan was made for."""

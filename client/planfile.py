@@ -31,13 +31,21 @@ class PlanFile(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     format: Literal["optiremat-plan"] = "optiremat-plan"
-    version: Literal[1] = 1
+    # Version 2 carries ``checkpoint_names``; a plan without them is written as version 1.
+    version: Literal[1, 2] = 1
     graph: CostGraph
     solution: Solution
     key_aliases: dict[str, list[str]] = Field(default_factory=dict)
+    # Policy key -> the ``checkpoint_name`` it binds: what ``optiremat export`` writes a
+    # framework's config from (``client.frameworks``).
+    checkpoint_names: dict[str, str] = Field(default_factory=dict,
+                                             exclude_if=lambda v: not v)
 
     @model_validator(mode="after")
     def _solution_of_this_graph(self) -> PlanFile:
+        if self.checkpoint_names and self.version < 2:
+            raise ValueError("checkpoint_names came with version 1: a plan file with names "
+                             "is version 2")
         if self.solution.graph_hash != self.graph.content_hash:
             raise ValueError(
                 f"the solution is for graph {self.solution.graph_hash[:12]}, not for the "
@@ -56,7 +64,21 @@ class PlanFile(BaseModel):
     @classmethod
     def of(cls, plan: Plan) -> PlanFile:
         aliases = {k: sorted(v) for k, v in plan.key_aliases.items()}
-        return cls(graph=plan.graph, solution=plan.solution, key_aliases=aliases)
+        names = dict(plan.checkpoint_names)
+        return cls(version=2 if names else 1, graph=plan.graph, solution=plan.solution,
+                   key_aliases=aliases, checkpoint_names=names)
+
+    def names_decided(self, framework: str) -> dict[str, str]:
+        """Per ``checkpoint_name``, where the plan keeps it, as ``framework`` writes it
+        (``client.frameworks.names_decided``; ``ExportError`` where it cannot)."""
+        from optiremat.client.frameworks import ExportError, framework_named, names_decided
+
+        if not self.checkpoint_names:
+            raise ExportError("the plan file names no checkpoint_name (written by optiremat "
+                              "solve, or before version 2): write it from optimize(..., "
+                              f"saveable={framework!r}) with PlanFile.of(plan).write(path)")
+        return names_decided(self.graph, self.solution, self.key_aliases,
+                             self.checkpoint_names, framework_named(framework))
 
     @property
     def saved_keys(self) -> frozenset[str]:

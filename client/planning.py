@@ -18,6 +18,7 @@ from pydantic import ValidationError
 
 from optiremat.client.budget import resolve_budget, split_auto_keywords
 from optiremat.client.extract import Traced, graph_of_traced, trace
+from optiremat.client.frameworks import Framework, Saveable
 from optiremat.client.plan import (
     OFFLOAD_DST,
     Plan,
@@ -49,6 +50,7 @@ class PlanRequest:
     scopes: tuple[str, ...] = ()  # name scopes whose equations are the blocks (regions=)
     layer_groups: bool = True  # a scan's layers may be planned apart (client.peak.mixing)
     schedule: Schedule = "process"  # the compile the budget holds under (client.schedule)
+    saveable: Saveable = Saveable()  # what the plan may save (client.frameworks)
 
     @classmethod
     def of(cls, budget: int | str, tie: bool, keywords: dict[str, Any]) -> PlanRequest:
@@ -56,9 +58,12 @@ class PlanRequest:
         memory = Memory(options.pop("memory", Memory.PEAK))
         step = Step.of(options.pop("argnums", 0), options.pop("donate_argnums", ()))
         refine, scopes = options.pop("refine", True), options.pop("regions", None)
-        layer_groups = options.pop("layer_groups", True)
+        saveable = Saveable.of(options.pop("saveable", "all"))
+        layer_groups = options.pop("layer_groups", saveable.framework is None)
         if not isinstance(layer_groups, bool):
             raise PlanError(f"layer_groups= takes True or False, not {layer_groups!r}")
+        if saveable.framework is not None:
+            options = _as_framework_takes(saveable.framework, options, layer_groups)
         schedule = options.pop("schedule", "process")
         if schedule not in SCHEDULES:
             raise PlanError(f"schedule= takes one of {', '.join(map(repr, SCHEDULES))}, not "
@@ -66,7 +71,7 @@ class PlanRequest:
         return cls(budget=budget, memory=memory,
                    step=step, tie=tie, refine=refine, auto=auto,
                    options=_solve_options(options), scopes=_scopes(scopes, memory),
-                   layer_groups=layer_groups, schedule=schedule)
+                   layer_groups=layer_groups, schedule=schedule, saveable=saveable)
 
     @property
     def offload(self) -> bool:
@@ -80,6 +85,22 @@ class PlanRequest:
         """The budget in bytes (``"auto"`` sized for ``traced``; a residual budget's
         ``"auto"`` also reads ``graph``)."""
         return resolve_budget(self.budget, traced, graph, self.auto, self.step, self.memory)
+
+
+def _as_framework_takes(framework: Framework, options: dict[str, Any],
+                        layer_groups: bool) -> dict[str, Any]:
+    """The solve options of a plan for ``framework``'s config: one policy per stack, not
+    nested where the framework does not nest. Asking otherwise is refused here, before
+    any trace, rather than answered with a plan its export refuses."""
+    if layer_groups:
+        raise PlanError(f"saveable={framework.key!r}: {framework.title} takes one policy per "
+                        "stack, so its layers cannot be planned apart (layer_groups=True)")
+    if framework.nests:
+        return options
+    if options.get("nest", False):
+        raise PlanError(f"saveable={framework.key!r}: {framework.title} does not nest a "
+                        "stack's layers in rematerialised groups (nest=True)")
+    return {**options, "nest": False}
 
 
 def _scopes(regions: object, memory: Memory) -> tuple[str, ...]:
@@ -181,16 +202,20 @@ def plan_residuals(traced: Traced, request: PlanRequest, solve_fn: Solver, *,
     tied, on its graph by policy key; untied, on its names graph equation by equation."""
     options = request.options
     if not request.tie:
+        if request.saveable.names is not None:
+            raise PlanError("saveable= restricts a tied plan to checkpoint names; an untied "
+                            "plan (tie=False) names every value itself: drop one of them")
         names = names_form(traced, request.budget_bytes(traced), options, solve_fn)
         return ResidualPlan(names.graph, names.solution, traced, options, _names=names,
                             solve_fn=solve_fn)
     # A graph without its step plans residuals: the options need not say so, and
     # requests keep the hashes they had before peak budgets existed.
-    extraction = graph_of_traced(traced, name=name)
+    extraction = graph_of_traced(traced, name=name, names=request.saveable.names or False)
     budget_bytes = request.budget_bytes(traced, extraction.graph)
     solution = solve_fn(extraction.graph, budget_bytes, request.tied())
     return ResidualPlan(extraction.graph, solution, traced, options,
-                        key_aliases=extraction.key_aliases, solve_fn=solve_fn)
+                        key_aliases=extraction.key_aliases, solve_fn=solve_fn,
+                        checkpoint_names=extraction.names_by_key)
 
 
 def check_host_memory(device: Any = None) -> None:

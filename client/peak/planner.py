@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING
 
 import optiremat.client._jax_internals as jx
 from optiremat.client.extract import Traced
+from optiremat.client.frameworks import preset_saves
 from optiremat.client.peak.finding import why_no_regions
 from optiremat.client.peak.measures import step_measure
 from optiremat.client.peak.mixing import with_layers_apart
@@ -76,17 +77,22 @@ def plan_peak(fun: Callable, traced: Traced, args: Sequence, request: PlanReques
     # An offload plan may offload each layer's input too: it is named for the policy.
     extracted = traced_step_extraction(traced, args, request.step,
                                        name=getattr(fun, "__qualname__", ""),
-                                       name_inputs=request.offload, scopes=request.scopes)
+                                       name_inputs=request.offload, scopes=request.scopes,
+                                       names=request.saveable.names)
     graph, options, regions = extracted.graph, request.tied(), extracted.regions
 
     def _plan(solution: Solution, note: str) -> PeakPlan:
         return PeakPlan(graph, solution, traced, options,
-                        key_aliases=extracted.extraction.key_aliases, placement=placement,
+                        key_aliases=extracted.extraction.key_aliases,
+                        checkpoint_names=extracted.extraction.names_by_key, placement=placement,
                         schedule=request.schedule, schedule_note=note)
 
     def solve_at(budget: int) -> Solution:
         return solve_fn(graph, budget, options)
 
+    # A names-only plan is never worse than its framework's presets (or the built-ins).
+    presets = preset_saves(graph, extracted.extraction.key_aliases,
+                           extracted.extraction.names_by_key, request.saveable)
     placement = Placement(regions, extracted.differentiated, request.step,
                           name_inputs=request.offload, scopes=extracted.scopes)
     warn_if_unscheduled(regions, request)
@@ -97,7 +103,7 @@ def plan_peak(fun: Callable, traced: Traced, args: Sequence, request: PlanReques
         if measured(request):
             measure = step_measure(fun, args, extracted, placement,
                                    measured_with_barriers(regions, request.schedule))
-            solution = refined_solve(graph, regions, budget_bytes, solve_at, measure)
+            solution = refined_solve(graph, regions, budget_bytes, solve_at, measure, presets)
             if request.layer_groups:
                 solution = with_layers_apart(graph, regions, solution, solve_at, measure)
         else:
@@ -115,7 +121,7 @@ def plan_peak(fun: Callable, traced: Traced, args: Sequence, request: PlanReques
             kept = step_measure(fun, args, extracted, placement, keep_barriers=True)
             raise InfeasibleBudgetError(
                 err.budget_bytes, err.min_budget_bytes,
-                merged_infeasible_why(smallest_budget(graph, solve_at, kept))) from None
+                merged_infeasible_why(smallest_budget(graph, solve_at, kept, presets))) from None
         if regions or err.why:
             raise
         why = why_no_regions(jx.ClosedJaxpr(traced.open_jaxpr, traced.consts),
