@@ -6,7 +6,7 @@ VENV ?= $(if $(filter python3,$(PYTHON)),.venv,.venv-$(notdir $(PYTHON)))
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: serve test lint bench clean
+.PHONY: serve test lint bench bench-maxtext clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -28,6 +28,21 @@ lint: $(STAMP)
 
 bench: $(STAMP)
 	$(PY) bench/models.py
+
+# MaxText's own config path (bench/maxtext_plans.py, `optiremat plan-maxtext`): MaxText 0.2.5 needs
+# Python 3.12 (MAXTEXT_PYTHON) and installs without its GPU extra's pins.
+MAXTEXT_PYTHON ?= python3.12
+MAXTEXT_VENV := .venv-maxtext
+
+$(MAXTEXT_VENV)/.installed: pyproject.toml bench/maxtext-requirements.txt
+	$(MAXTEXT_PYTHON) -m venv $(MAXTEXT_VENV)
+	$(MAXTEXT_VENV)/bin/python -m pip install --quiet --upgrade pip
+	$(MAXTEXT_VENV)/bin/python -m pip install --quiet -e '.[client]' -r bench/maxtext-requirements.txt
+	$(MAXTEXT_VENV)/bin/python -m pip install --quiet --no-deps maxtext==0.2.5
+	touch $@
+
+bench-maxtext: $(MAXTEXT_VENV)/.installed
+	$(MAXTEXT_VENV)/bin/python bench/maxtext_plans.py
 
 clean:
 	rm -rf $(VENV)

@@ -1,6 +1,7 @@
-"""The client's subcommands of ``optiremat``: extract, solve, frontier, explain.
+"""The client's subcommands of ``optiremat``: extract, solve, frontier, explain, export,
+plan-maxtext.
 
-(Over 400 lines on purpose: four subcommands and the options they share, each read
+(Over 400 lines on purpose: six subcommands and the options they share, each read
 where its argparse declaration is.)
 
 Nothing heavy is imported at module level (``optiremat.cli`` imports this for
@@ -119,6 +120,46 @@ def add_commands(parser: argparse.ArgumentParser,
     explain.add_argument("--top", type=int, metavar="N",
                          help="show only the N largest saved values")
     explain.set_defaults(run=_reporting_errors(_explain))
+
+    export = commands.add_parser(
+        "export", help="write a plan as a framework's config overrides", formatter_class=raw,
+        description="Print the config overrides that make FRAMEWORK build the plan's policy "
+                    "from its own config: for maxtext, 'remat_policy: custom' and each named "
+                    "tensor's remat, device or offload; for levanter, the fields of "
+                    "model.gradient_checkpointing. The plan is one optimize() made with "
+                    "saveable='maxtext' (or 'levanter'), written with "
+                    "PlanFile.of(plan).write(path); a plan the framework cannot express is "
+                    "refused with the reason.",
+        epilog="example:\n  optiremat export maxtext plan.json >> my_model.yml\n"
+               "  python -m maxtext.train base.yml $(optiremat export maxtext plan.json "
+               "--format args)")
+    export.add_argument("framework", choices=["maxtext", "levanter"], metavar="FRAMEWORK",
+                        help="maxtext (its top-level overrides) or levanter "
+                             "(model.gradient_checkpointing: Haliax's ScanCheckpointPolicy)")
+    export.add_argument("plan", metavar="PLAN.json")
+    export.add_argument("--format", choices=["yaml", "args", "json"], default="yaml",
+                        help="a YAML block (default), key=value arguments for a launcher, "
+                             "or JSON")
+    export.set_defaults(run=_reporting_errors(_export))
+
+    plan_maxtext = commands.add_parser(
+        "plan-maxtext", help="plan a MaxText model from its config and print the overrides",
+        formatter_class=raw,
+        description="Build the model MaxText's trainer builds from CONFIG.yml and the "
+                    "KEY=VALUE overrides (as its launcher takes them; MaxText 0.2.5 "
+                    "installed beside optiremat), plan its training step at --budget with "
+                    "only the tensors MaxText's 'remat_policy: custom' can set, and print the "
+                    "config overrides that make MaxText build that plan.",
+        epilog="example:\n  optiremat plan-maxtext base.yml model_name=llama2-7b "
+               "per_device_batch_size=4 --budget 60GiB >> my_run.yml")
+    plan_maxtext.add_argument("config", metavar="CONFIG.yml")
+    plan_maxtext.add_argument("overrides", nargs="*", metavar="KEY=VALUE")
+    plan_maxtext.add_argument("--budget", required=True, type=_budget, metavar="SIZE",
+                              help="the peak of the training step: bytes, or with a unit")
+    plan_maxtext.add_argument("--format", choices=["yaml", "args", "json"], default="yaml")
+    plan_maxtext.add_argument("-o", "--out", metavar="PLAN.json",
+                              help="also write the plan (for optiremat explain)")
+    plan_maxtext.set_defaults(run=_reporting_errors(_plan_maxtext))
 
 
 def _solver_options(parser: argparse.ArgumentParser) -> None:
@@ -406,6 +447,41 @@ def _frontier(args: argparse.Namespace) -> int:
 
         print(f"wrote {plot_frontier(result, args.plot, builtins=builtins, title=title)}")
     return 0
+
+
+def _export(args: argparse.Namespace) -> int:
+    from optiremat.client.frameworks import exported
+    from optiremat.client.planfile import load_plan
+
+    decided = load_plan(args.plan).names_decided(args.framework)
+    _print_config(exported(args.framework, decided), args.format)
+    return 0
+
+
+def _plan_maxtext(args: argparse.Namespace) -> int:
+    from optiremat.client.maxtext import config_args, plan_maxtext
+    from optiremat.client.planfile import PlanFile
+
+    plan, overrides = plan_maxtext(config_args(args.config, args.overrides), args.budget)
+    if args.out:
+        PlanFile.of(plan).write(args.out)
+    assert plan.peak_bytes is not None
+    print(f"# optiremat: peak {format_bytes(plan.peak_bytes)} of a "
+          f"{format_bytes(plan.budget_bytes)} budget, {plan.recompute_flops:,} recompute FLOPs",
+          file=sys.stderr)
+    _print_config(overrides, args.format)
+    return 0
+
+
+def _print_config(overrides: dict[str, Any], form: str) -> None:
+    import json
+
+    from optiremat.client.frameworks import config_text
+
+    if form == "json":
+        print(json.dumps(overrides, indent=2))
+    else:
+        print(config_text(overrides, form), end="" if form == "yaml" else "\n")
 
 
 def _explain(args: argparse.Namespace) -> int:
