@@ -11,7 +11,10 @@ the time to plan.
 ``--time`` adds step times: the two plans and the best built-in per layer that fits
 the budget, interleaved runs in one process, medians and spread.
 
-    .venv/bin/python bench/layer_groups.py [--quick] [--time]
+    .venv/bin/python bench/layer_groups.py [--quick] [--time] [--accelerator]
+
+``--accelerator`` plans a stack sized for one accelerator chip instead (bf16, D 1024,
+B 8, T 512; about 2 TFLOP a step), where a step takes long enough to time.
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
 
 import optiremat  # noqa: E402
 from optiremat.client.peak.placement import Placement  # noqa: E402
@@ -37,8 +41,13 @@ MiB = 2**20
 BUILTINS = ("nothing_saveable", "dots_with_no_batch_dims_saveable", "dots_saveable")
 
 
-def models(quick: bool):
+def models(quick: bool, accelerator: bool):
     """The issue's stack; then the scan corpus's Llama and ViT and the LM corpus's V8k."""
+    if accelerator:
+        yield "llama bf16 L8 (D 1024, FFN 2816, 16/4 heads, B 8, T 512)", llama(
+            layers=8, d=1024, ffn=2816, heads=16, kv_heads=4, batch=8, seq=512,
+            dtype=jnp.bfloat16)
+        return
     yield "llama f32 L8 (issue 39: D 256, B 4, T 256)", llama(layers=8, batch=4, seq=256)
     if not quick:
         for model in PEAK_CORPUS:
@@ -103,9 +112,11 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="the issue's stack only")
     parser.add_argument("--time", action="store_true", help="time the compiled steps")
     parser.add_argument("--points", type=int, default=6, help="frontier budgets per model")
+    parser.add_argument("--accelerator", action="store_true",
+                        help="a stack sized for one accelerator chip, in place of the corpus")
     ns = parser.parse_args()
-    print(f"jax {jax.__version__}, {jax.devices()[0].platform}")
-    for name, (loss, args) in models(ns.quick):
+    print(f"jax {jax.__version__}, {jax.devices()[0].device_kind}")
+    for name, (loss, args) in models(ns.quick, ns.accelerator):
         unplanned = step_of(loss, args)
         top, unplanned_flops = optiremat.measured_peak(unplanned), xla_flops(unplanned)
         low = optiremat.min_feasible_budget(loss, *args, layer_groups=False)
