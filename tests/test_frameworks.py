@@ -22,7 +22,12 @@ import pytest
 
 import optiremat
 from optiremat.cli import main
-from optiremat.client.frameworks import MAXTEXT_PRESETS, MAXTEXT_TENSORS, ExportError
+from optiremat.client.frameworks import (
+    MAXTEXT_PRESETS,
+    MAXTEXT_TENSORS,
+    ExportError,
+    levanter_policy,
+)
 from optiremat.client.peak.placement import Placement
 from optiremat.client.peak.step_graph import StepExtraction, step_extraction
 from optiremat.client.plan import PeakPlan, PlanError
@@ -204,3 +209,81 @@ def test_plan_maxtext_without_maxtext_says_what_it_needs(monkeypatch, capsys) ->
     monkeypatch.setitem(sys.modules, "maxtext", None)  # as where it is not installed
     assert main(["plan-maxtext", "base.yml", "--budget", "1GiB"]) == 1
     assert "needs MaxText installed beside optiremat" in capsys.readouterr().err
+
+
+# ---- Levanter: Haliax's ScanCheckpointPolicy over a scan's carry, inputs and internals ----
+
+CARRY, INPUT = "scan(layers)__carry", "scan(layers)__input"
+
+
+@cache
+def _haliax_scan():
+    """A stack scanned as Haliax's ``Stacked`` scans it: each layer's carry and its slice
+    of the stacked weights named inside the checkpointed block, one internal named."""
+    from jax.ad_checkpoint import checkpoint_name
+
+    def loss(ws, x):
+        def layer(h, w):
+            h, w = checkpoint_name(h, CARRY), checkpoint_name(w, INPUT)
+            hidden = checkpoint_name(jnp.sin(h @ w), "mlp_hidden")
+            return h + jnp.tanh(jnp.cos(hidden) @ w.T), None
+        h, _ = jax.lax.scan(layer, x, ws)
+        return jnp.sum(h * h)
+    args = (jnp.full((6, 128, 256), 0.01), jnp.ones((512, 128)))
+    return loss, args, step_extraction(loss, args, STEP, name="haliax_scan")
+
+
+def _as_levanter_builds(policy: dict):
+    """The stack as Haliax builds it from ``gradient_checkpointing``'s fields: each layer
+    under ``save_and_offload_only_these_names`` over the carry and inputs it saves or
+    offloads and the internals it lists."""
+    loss, _, extracted = _haliax_scan()
+    saved = [name for field, name in (("save_carries", CARRY), ("save_inputs", INPUT))
+             if policy[field] is True] + policy["save_block_internals"]
+    offloaded = [name for field, name in (("save_carries", CARRY), ("save_inputs", INPUT))
+                 if policy[field] == "offload"] + policy["offload_block_internals"]
+    placement = Placement(extracted.regions, extracted.differentiated, STEP)
+    return placement.apply(loss, jax.checkpoint_policies.save_and_offload_only_these_names(
+        names_which_can_be_saved=saved, names_which_can_be_offloaded=offloaded,
+        offload_src="device", offload_dst="pinned_host"))
+
+
+def _levanter_peak(policy: dict) -> int:
+    _, args, _ = _haliax_scan()
+    return lowered_peak(STEP.function(_as_levanter_builds(policy)).lower(*args))
+
+
+def test_levanter_built_from_the_exported_policy_peaks_as_planned(tmp_path, capsys) -> None:
+    """Between Levanter's default (carries saved) and every name saved: the stack Haliax
+    builds from ``to_levanter()`` peaks at the plan's prediction, within the budget, and
+    ``optiremat export levanter`` writes that policy under ``model:``."""
+    loss, args, _ = _haliax_scan()
+    def fields(saved: list[str]) -> dict:
+        return {"save_carries": True, "save_inputs": INPUT in saved,
+                "save_block_internals": [n for n in saved if n not in (CARRY, INPUT)],
+                "offload_block_internals": []}
+    low = _levanter_peak(fields([CARRY]))
+    high = _levanter_peak(fields([CARRY, INPUT, "mlp_hidden"]))
+    assert low < high  # the internal is worth saving, and costs bytes
+    for budget, internals in (((low + high) // 2, []), (high, ["mlp_hidden"])):
+        plan = optiremat.optimize(loss, *args, budget=budget, saveable="levanter")
+        policy = plan.to_levanter()
+        assert plan.peak_bytes == _levanter_peak(policy) <= budget, policy
+        assert policy["save_block_internals"] == internals
+    path = PlanFile.of(plan).write(tmp_path / "plan.json")
+    assert main(["export", "levanter", str(path)]) == 0
+    yaml = capsys.readouterr().out.splitlines()
+    assert yaml[:2] == ["model:", "  gradient_checkpointing:"]
+    assert "    save_block_internals: ['mlp_hidden']" in yaml
+    assert main(["export", "levanter", str(path), "--format", "args"]) == 1
+    assert "these overrides nest" in capsys.readouterr().err
+
+
+def test_levanter_takes_one_choice_for_every_scans_carries() -> None:
+    """Two stacks whose carries the plan keeps apart: Levanter's one policy cannot."""
+    decided = {"scan(encoder)__carry": "device", "scan(decoder)__carry": "remat"}
+    with pytest.raises(ExportError, match=r"'scan\(\*\)__carry' differently in different"):
+        levanter_policy(decided)
+    offloaded = levanter_policy({"scan(layers)__input": "offload", "mlp_hidden": "offload"})
+    assert offloaded == {"save_carries": False, "save_inputs": "offload",
+                         "save_block_internals": [], "offload_block_internals": ["mlp_hidden"]}
