@@ -23,6 +23,7 @@ from optiremat.client.errors import (
     Unauthorized,
 )
 from optiremat.client.extract.state import ExtractionError
+from optiremat.client.frameworks import ExportError
 from optiremat.client.remote import RematClient
 from optiremat.client.target import TargetError
 from optiremat.solver.graph import CostGraph
@@ -57,6 +58,7 @@ BUILTIN_OF: dict[type[Exception], type[Exception]] = {
     ServerError: Exception,
     RemoteInfeasibleBudget: ValueError,  # as an InfeasibleBudgetError
     JobCancelled: Exception,
+    ExportError: ValueError,
 }
 
 
