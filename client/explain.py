@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 import re
+from collections.abc import Mapping
 
 from optiremat.solver.breakdown import WHOLE_STEP, PeakBreakdown, breakdown, residual_parts
 from optiremat.solver.graph import CostGraph
@@ -21,8 +22,10 @@ from optiremat.solver.step import RegionKind, StepMemory
 from optiremat.solver.units import format_bytes
 
 
-def explain_plan(graph: CostGraph, solution: Solution, top: int | None = 20) -> str:
-    """The plan's summary, its peak breakdown (peak plans) and its largest residuals."""
+def explain_plan(graph: CostGraph, solution: Solution, top: int | None = 20,
+                 names: Mapping[str, str] | None = None) -> str:
+    """The plan's summary, its peak breakdown (peak plans) and its largest residuals;
+    ``names``: the ``checkpoint_name`` per node key that binds one, shown by its value."""
     sol = solution
     lines = [f"plan for {graph.name or 'graph'} {graph.content_hash[:12]}: {sol.status}, "
              f"solved by {sol.solver} {sol.solver_version} in {sol.solve_seconds:.2f} s"]
@@ -51,7 +54,7 @@ def explain_plan(graph: CostGraph, solution: Solution, top: int | None = 20) -> 
         lines += ["", *layer_group_lines(graph, sol)]
     elif sol.peak_bytes is not None:
         lines += ["", *peak_breakdown(graph, sol, evaluation), "", *lever_breakdown(graph, sol)]
-    lines += ["", *_residual_table(graph, sol, evaluation, top)]
+    lines += ["", *_residual_table(graph, sol, evaluation, top, names or {})]
     return "\n".join(lines)
 
 
@@ -240,7 +243,7 @@ def lever_breakdown(graph: CostGraph, solution: Solution) -> list[str]:
 
 
 def _residual_table(graph: CostGraph, sol: Solution, evaluation: Evaluation,
-                    top: int | None) -> list[str]:
+                    top: int | None, names: Mapping[str, str]) -> list[str]:
     inputs = {graph.value_index[v] for v in graph.inputs}
     rows = []
     for v in evaluation.residuals:
@@ -251,8 +254,9 @@ def _residual_table(graph: CostGraph, sol: Solution, evaluation: Evaluation,
                          "argument" if v in inputs else ""))
         else:
             offloaded = sol.node_decisions[node] == Decision.OFFLOAD
-            rows.append((graph.value_bytes[v],
-                         graph.node_primitive[node] + (" (host)" if offloaded else ""), shape,
+            named = names.get(graph.node_key[node])
+            op = graph.node_primitive[node] + (f" {named!r}" if named else "")
+            rows.append((graph.value_bytes[v], op + (" (host)" if offloaded else ""), shape,
                          graph.node_flops[node], graph.node_source[node]))
     rows.sort(key=lambda r: (-r[0], r[4], r[1]))
     shown = rows[:top] if top else rows

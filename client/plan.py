@@ -29,6 +29,7 @@ from optiremat.client.frameworks import (
     levanter_policy,
     maxtext_overrides,
     names_decided,
+    names_of_keys,
 )
 from optiremat.client.measure import backward_flops, saved_residuals
 from optiremat.client.names import tag_every_value
@@ -232,7 +233,8 @@ class Plan:
         """What the plan holds, where, and what it costs, in words."""
         from optiremat.client.explain import explain_plan
 
-        return explain_plan(self.graph, self.solution)
+        return explain_plan(self.graph, self.solution, names=names_of_keys(
+            self.graph, self.key_aliases, self.checkpoint_names))
 
     # ---- export to a framework's config (``client.frameworks``) -------------
 

@@ -486,8 +486,10 @@ def _print_config(overrides: dict[str, Any], form: str) -> None:
 
 def _explain(args: argparse.Namespace) -> int:
     from optiremat.client.explain import explain_plan
+    from optiremat.client.frameworks import names_of_keys
     from optiremat.client.planfile import load_plan
 
     plan = load_plan(args.plan)
-    print(explain_plan(plan.graph, plan.solution, top=args.top))
+    names = names_of_keys(plan.graph, plan.key_aliases, plan.checkpoint_names)
+    print(explain_plan(plan.graph, plan.solution, top=args.top, names=names))
     return 0 if plan.solution.planned else 1

@@ -270,7 +270,11 @@ def test_levanter_built_from_the_exported_policy_peaks_as_planned(tmp_path, caps
         policy = plan.to_levanter()
         assert plan.peak_bytes == _levanter_peak(policy) <= budget, policy
         assert policy["save_block_internals"] == internals
+    # explain() and `optiremat explain` show a saved value by its name.
+    assert "name 'mlp_hidden'" in plan.explain()
     path = PlanFile.of(plan).write(tmp_path / "plan.json")
+    main(["explain", str(path)])
+    assert "name 'mlp_hidden'" in capsys.readouterr().out
     assert main(["export", "levanter", str(path)]) == 0
     yaml = capsys.readouterr().out.splitlines()
     assert yaml[:2] == ["model:", "  gradient_checkpointing:"]
