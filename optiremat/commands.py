@@ -137,9 +137,7 @@ def add_commands(parser: argparse.ArgumentParser,
                         help="maxtext (its top-level overrides) or levanter "
                              "(model.gradient_checkpointing: Haliax's ScanCheckpointPolicy)")
     export.add_argument("plan", metavar="PLAN.json")
-    export.add_argument("--format", choices=["yaml", "args", "json"], default="yaml",
-                        help="a YAML block (default), key=value arguments for a launcher, "
-                             "or JSON")
+    _format_option(export)
     export.set_defaults(run=_reporting_errors(_export))
 
     plan_maxtext = commands.add_parser(
@@ -156,10 +154,16 @@ def add_commands(parser: argparse.ArgumentParser,
     plan_maxtext.add_argument("overrides", nargs="*", metavar="KEY=VALUE")
     plan_maxtext.add_argument("--budget", required=True, type=_budget, metavar="SIZE",
                               help="the peak of the training step: bytes, or with a unit")
-    plan_maxtext.add_argument("--format", choices=["yaml", "args", "json"], default="yaml")
+    _format_option(plan_maxtext)
     plan_maxtext.add_argument("-o", "--out", metavar="PLAN.json",
                               help="also write the plan (for optiremat explain)")
     plan_maxtext.set_defaults(run=_reporting_errors(_plan_maxtext))
+
+
+def _format_option(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--format", choices=["yaml", "args", "json"], default="yaml",
+                        help="a YAML block (default), key=value arguments for a launcher, "
+                             "or JSON")
 
 
 def _solver_options(parser: argparse.ArgumentParser) -> None:
