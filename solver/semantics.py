@@ -7,7 +7,7 @@ that both agree with ``jax.ad_checkpoint.saved_residuals``.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 from optiremat.solver.graph import CostGraph, NodeMode
@@ -84,6 +84,20 @@ def baseline_evaluation(graph: CostGraph) -> Evaluation:
     save = [bool(key) or mode != NodeMode.RECOMPUTE
             for key, mode in zip(graph.node_key, graph.node_mode, strict=True)]
     return _propagate(graph, save)
+
+
+def kept_anyway(graph: CostGraph, keys: Iterable[str]) -> frozenset[str]:
+    """Those of ``keys`` that, saved alone, cost what saving nothing costs: the same
+    residual bytes and backward FLOPs (a checkpoint's own input, named: the value or its
+    name kept in its place). Saving one buys nothing, and JAX adds an op on each value a
+    policy saves (a ``reduce_precision``)."""
+    def cost(saved: Sequence[bool]) -> tuple[int, int]:
+        ev = evaluate(graph, saved)
+        return ev.residual_bytes, ev.backward_flops
+
+    nothing = cost([False] * graph.num_nodes)
+    return frozenset(key for key in keys
+                     if cost([k == key for k in graph.node_key]) == nothing)
 
 
 def recompute_flops(graph: CostGraph, saved: Sequence[bool]) -> int:

@@ -270,6 +270,9 @@ def test_levanter_built_from_the_exported_policy_peaks_as_planned(tmp_path, caps
         policy = plan.to_levanter()
         assert plan.peak_bytes == _levanter_peak(policy) <= budget, policy
         assert policy["save_block_internals"] == internals
+        # The carry is the checkpointed layer's own input, kept whatever the policy:
+        # saving it would change nothing but add a reduce_precision op per layer.
+        assert policy["save_carries"] is False
     # explain() and `optiremat explain` show a saved value by its name.
     assert "name 'mlp_hidden'" in plan.explain()
     path = PlanFile.of(plan).write(tmp_path / "plan.json")

@@ -45,6 +45,7 @@ from optiremat.solver.semantics import (
     baseline_backward_flops,
     effective_saves,
     evaluate,
+    kept_anyway,
     recompute_flops,
 )
 from optiremat.solver.solution import Decision, InfeasibleBudgetError, Solution, SolveStatus
@@ -211,9 +212,9 @@ class _Refinement:
         g = self.graph
         candidates = [*self.presets, *builtin_offered_saves(g).values()]
         # A name whose value is kept anyway (a layer's input) changes nothing saved.
-        kept = evaluate(g, [False] * g.num_nodes).residuals
-        alone = {key: saves for key in _names_in_order(g)
-                 if evaluate(g, saves := _saving(g, {key})).residuals != kept}
+        ordered = _names_in_order(g)
+        idle = kept_anyway(g, ordered)
+        alone = {key: _saving(g, {key}) for key in ordered if key not in idle}
         names = list(alone)[:MAX_NAMED]
         candidates += [alone[key] for key in names]
         # The names together are for FLOPs, once a plan fits: they hold more than the

@@ -22,7 +22,8 @@ from optiremat.client.peak.finding import RegionMarker, find_regions
 from optiremat.client.peak.placement import Placement, keeps_barriers, place
 from optiremat.client.peak.regions import Region
 from optiremat.client.step import Step, StepMemoryAnalysis, lowered_memory
-from optiremat.solver.graph import CostGraph
+from optiremat.solver.graph import CostGraph, NodeMode
+from optiremat.solver.semantics import kept_anyway
 from optiremat.solver.step import StepMemory
 
 
@@ -101,8 +102,26 @@ def traced_step_extraction(traced: Traced, args: Sequence, step: Step, *, name: 
     calibrated = calibrate_phases(extraction.graph, regions,
                                   lambda policy: step_memory(policy).peak_bytes)
     graph = CostGraph.model_construct(**{**dict(extraction.graph), "step": calibrated})
+    if names is not None:
+        graph = _idle_names_recomputed(graph)
     return StepExtraction(replace(extraction, graph=graph), regions, tuple(flags), traced,
                           tuple(scopes))
+
+
+def _idle_names_recomputed(graph: CostGraph) -> CostGraph:
+    """A names-only graph with the names whose values are kept anyway (a layer's carry,
+    named: Levanter's ``scan(layers)__carry``) left to JAX's rules: saving one would tie
+    with recomputing it in the cost model while JAX adds a ``reduce_precision`` op on the
+    saved value, and the framework's config would differ from its preset that saves
+    nothing (Levanter's ``full``) for no byte or FLOP."""
+    free = {k for k, m in zip(graph.node_key, graph.node_mode, strict=True)
+            if k and m == NodeMode.FREE}
+    idle = kept_anyway(graph, free)
+    if not idle:
+        return graph
+    modes = [NodeMode.RECOMPUTE if k in idle else m
+             for k, m in zip(graph.node_key, graph.node_mode, strict=True)]
+    return CostGraph.model_construct(**{**dict(graph), "node_mode": modes})
 
 
 def extract_step(fun: Callable, *args, argnums: int | Sequence[int] = 0,
