@@ -137,17 +137,17 @@ def names_of_keys(graph: CostGraph, key_aliases: Mapping[str, Collection[str]],
 
 
 def preset_saves(graph: CostGraph, key_aliases: Mapping[str, Collection[str]],
-                 checkpoint_names: Mapping[str, str], saveable: Saveable) -> list[list[bool]]:
+                 checkpoint_names: Mapping[str, str], saveable: Saveable) -> dict[str, list[bool]]:
     """The plans a names-only plan is never worse than, where they fit as measured
-    (``client.peak.refine``): the framework's presets, else JAX's built-ins as names
-    (``solver.baselines.builtin_named_saves``); per node, whether each saves it."""
+    (``client.peak.refine``), by name: the framework's presets, else JAX's built-ins as
+    names (``solver.baselines.builtin_named_saves``); per node, whether each saves it."""
     if saveable.names is None:
-        return []
+        return {}
     if saveable.framework is None:
-        return list(builtin_named_saves(graph).values())
+        return builtin_named_saves(graph)
     named = names_of_keys(graph, key_aliases, checkpoint_names)
-    return [[k in named and _matches(named[k], preset) for k in graph.node_key]
-            for preset in saveable.framework.presets.values()]
+    return {name: [k in named and _matches(named[k], preset) for k in graph.node_key]
+            for name, preset in saveable.framework.presets.items()}
 
 
 def _matches(name: str, patterns: Collection[str]) -> bool:

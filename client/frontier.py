@@ -10,7 +10,7 @@ budget as its own cached request, so a point stopped by a time limit may differ.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -55,6 +55,7 @@ DEFAULT_POINTS = DEFAULT_FRONTIER_POINTS
 def sweep(graph: CostGraph, budgets: Sequence[int] | None = None,
           count: int | None = DEFAULT_POINTS, *, also: Sequence[int] = (),
           regions: Sequence[Region] | None = None, measure: PeakMeasure | None = None,
+          presets: Sequence[Sequence[bool]] = (), layer_groups: bool = True,
           **options: object) -> Frontier:
     """Solve ``graph`` once per budget: explicit ``budgets``, or ``count`` spaced ones
     from the smallest feasible budget to the largest useful one (plus the feasible
@@ -71,7 +72,10 @@ def sweep(graph: CostGraph, budgets: Sequence[int] | None = None,
     (``client.peak.measures.step_measure``, as ``plot_function`` builds it) each plan is
     refined against the step compiled, and where the refined plan leaves room its scan's
     layers are planned apart as ``optimize`` plans them (``client.peak.mixing``), so that
-    the frontier moves by a layer's difference rather than a stack's."""
+    the frontier moves by a layer's difference rather than a stack's (not with
+    ``layer_groups=False``). ``presets`` (per node, whether each saves it) are measured
+    candidates of every refined plan: a names-only graph's framework presets, as
+    ``optimize(..., saveable=)`` measures them."""
     resolved = resolve_options(None, dict(options))
     low = high = None
     if budgets is None:
@@ -82,7 +86,7 @@ def sweep(graph: CostGraph, budgets: Sequence[int] | None = None,
         high = max_useful_budget(graph, resolved.memory)
         budgets = spaced_budgets(low, high, count) + [b for b in also if low <= b <= high]
     if regions is not None and resolved.offload is None and graph.step is not None:
-        results = _refined(graph, regions, budgets, resolved, measure)
+        results = _refined(graph, regions, budgets, resolved, measure, presets, layer_groups)
     else:
         results = solve_budgets(graph, budgets, resolved)
     points = [FrontierPoint(**point_fields(budget, result)) for budget, result in results.items()]
@@ -91,7 +95,8 @@ def sweep(graph: CostGraph, budgets: Sequence[int] | None = None,
 
 
 def _refined(graph: CostGraph, regions: Sequence[Region], budgets: Sequence[int],
-             options: SolveOptions, measure: PeakMeasure | None) -> dict[int, FrontierResult]:
+             options: SolveOptions, measure: PeakMeasure | None,
+             presets: Sequence[Sequence[bool]], layer_groups: bool) -> dict[int, FrontierResult]:
     """Each budget's plan refined against its own working set (measurements are shared
     between budgets), its scan's layers planned apart where ``measure`` compiles the step;
     a budget no refined plan fits is infeasible, naming the smallest measured peak."""
@@ -104,11 +109,12 @@ def _refined(graph: CostGraph, regions: Sequence[Region], budgets: Sequence[int]
     results: dict[int, FrontierResult] = {}
     for budget in sorted(set(budgets)):
         try:
-            answer = refined_solve(graph, regions, budget, solve_at, measure)
+            answer = refined_solve(graph, regions, budget, solve_at, measure, presets)
         except InfeasibleBudgetError as err:
             results[budget] = err
             continue
-        results[budget] = with_layers_apart(graph, regions, answer, solve_at, measure)
+        results[budget] = (with_layers_apart(graph, regions, answer, solve_at, measure)
+                           if layer_groups else answer)
     return results
 
 
@@ -158,16 +164,21 @@ def builtin_points(fun: Callable, *args: object) -> dict[str, PolicyPoint]:
     return points
 
 
-def graph_builtin_points(graph: CostGraph,
-                         regions: Sequence[Region] | None = None) -> dict[str, PolicyPoint]:
+def graph_builtin_points(graph: CostGraph, regions: Sequence[Region] | None = None,
+                         policies: Mapping[str, Sequence[bool]] | None = None,
+                         ) -> dict[str, PolicyPoint]:
     """JAX's built-in policies as the graph prices them: the equations each saves of
     those it is offered; on a step's graph, applied in every region (a checkpoint per
     layer), with their predicted peaks, each with its own working set measured where
-    the step's ``regions`` are given (``client.peak.measures.working_set_delta``)."""
+    the step's ``regions`` are given (``client.peak.measures.working_set_delta``).
+    ``policies`` prices others in their place (a framework's presets, per node whether
+    each saves it)."""
     base = baseline_backward_flops(graph)
     view = BudgetView.of(graph, None)
     points = {}
-    for name, offered in builtin_offered_saves(graph).items():
+    chosen = builtin_offered_saves(graph) if policies is None else policies
+    for name, saves in chosen.items():
+        offered = list(saves)
         ev = evaluate(graph, offered)
         peak = view.predicted(offered) if view.memory == Memory.PEAK else None
         if peak is not None and regions is not None:

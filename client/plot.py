@@ -170,21 +170,33 @@ def plot_function(fun: Callable, *args: Any, path: str | Path, points: int = DEF
     ``memory="residuals"`` the residuals of one checkpoint around ``fun`` (the
     built-ins measured by ``saved_residuals``). With
     ``offload=OffloadOptions(...)`` the plans use all three levers and the plot is
-    peak bytes against estimated step time."""
+    peak bytes against estimated step time. With ``saveable=`` (peak budgets) the plans
+    are ``optimize(..., saveable=)``'s, names only, and the markers are the framework's
+    presets (or JAX's built-ins as names)."""
     from optiremat.client.extract import extract_graph
+    from optiremat.client.frameworks import Saveable, preset_saves
     from optiremat.client.peak.measures import step_measure
     from optiremat.client.peak.placement import Placement
     from optiremat.client.peak.step_graph import step_extraction
     from optiremat.client.step import Step
 
     regions, measure = None, None
+    saveable = Saveable.of(options.pop("saveable", "all"))
+    presets: dict[str, list[bool]] = {}
+    if saveable.names is not None and memory != "peak":
+        raise ValueError("saveable= plots peak budgets: leave memory='peak'")
+    if saveable.framework is not None:  # one policy per stack, nothing nested
+        options["nest"] = False
     if memory == "peak":
         # An offload plan may offload each layer's input: named for the policy.
         offload = options.get("offload") is not None
         extracted = step_extraction(fun, args, Step.of(0),
-                                    name=getattr(fun, "__qualname__", ""), name_inputs=offload)
+                                    name=getattr(fun, "__qualname__", ""), name_inputs=offload,
+                                    names=saveable.names)
         graph, regions = extracted.graph, extracted.regions
-        builtins = graph_builtin_points(graph, regions)
+        presets = preset_saves(graph, extracted.extraction.key_aliases,
+                               extracted.extraction.names_by_key, saveable)
+        builtins = graph_builtin_points(graph, regions, presets or None)
         if not offload:  # each plan measured as optimize measures it, its layers apart
             placement = Placement(extracted.regions, extracted.differentiated, Step.of(0),
                                   scopes=extracted.scopes)
@@ -196,6 +208,8 @@ def plot_function(fun: Callable, *args: Any, path: str | Path, points: int = DEF
     # where each lever starts to fit. Peak plans are refined against their own
     # working sets, as optimize refines them.
     also = [p.memory_bytes for p in builtins.values()] + lever_floors(graph, **options)
-    swept = sweep(graph, count=points, also=also, regions=regions, measure=measure, **options)
+    swept = sweep(graph, count=points, also=also, regions=regions, measure=measure,
+                  presets=list(presets.values()), layer_groups=saveable.framework is None,
+                  **options)
     title = getattr(fun, "__qualname__", "") or graph.name
     return plot_frontier(swept, path, builtins=builtins, title=title)

@@ -294,3 +294,31 @@ def test_levanter_takes_one_choice_for_every_scans_carries() -> None:
     offloaded = levanter_policy({"scan(layers)__input": "offload", "mlp_hidden": "offload"})
     assert offloaded == {"save_carries": False, "save_inputs": "offload",
                          "save_block_internals": [], "offload_block_internals": ["mlp_hidden"]}
+
+
+def test_a_names_only_frontier_is_the_plans_optimize_makes(tmp_path) -> None:
+    """``sweep`` over a names-only graph, its framework's presets measured as candidates:
+    each point is ``optimize(..., saveable="maxtext")``'s plan at that budget; and
+    ``plot_function(..., saveable="maxtext")`` marks MaxText's presets, not JAX's."""
+    from optiremat.client.frameworks import MAXTEXT, Saveable, preset_saves
+    from optiremat.client.frontier import graph_builtin_points, sweep
+    from optiremat.client.peak.measures import step_measure
+    from optiremat.client.plot import plot_function
+
+    fun, args, _ = _model()
+    names = step_extraction(fun, args, STEP, name="lm", names=MAXTEXT.names_only)
+    placement = Placement(names.regions, names.differentiated, STEP)
+    presets = preset_saves(names.graph, names.extraction.key_aliases,
+                           names.extraction.names_by_key, Saveable.of("maxtext"))
+    assert set(presets) == set(MAXTEXT_PRESETS)
+    budgets = _budgets()[:2]
+    frontier = sweep(names.graph, budgets, regions=names.regions,
+                     measure=step_measure(fun, args, names, placement),
+                     presets=list(presets.values()), layer_groups=False, nest=False)
+    for point in frontier.points:
+        plan = _plan(point.budget_bytes)
+        assert (point.peak_bytes, point.recompute_flops) == (plan.peak_bytes,
+                                                             plan.recompute_flops)
+    assert set(graph_builtin_points(names.graph, names.regions, presets)) == set(presets)
+    assert plot_function(fun, *args, path=tmp_path / "names.png", points=2,
+                         saveable="maxtext").stat().st_size > 0

@@ -91,8 +91,8 @@ def plan_peak(fun: Callable, traced: Traced, args: Sequence, request: PlanReques
         return solve_fn(graph, budget, options)
 
     # A names-only plan is never worse than its framework's presets (or the built-ins).
-    presets = preset_saves(graph, extracted.extraction.key_aliases,
-                           extracted.extraction.names_by_key, request.saveable)
+    presets = list(preset_saves(graph, extracted.extraction.key_aliases,
+                                extracted.extraction.names_by_key, request.saveable).values())
     placement = Placement(regions, extracted.differentiated, request.step,
                           name_inputs=request.offload, scopes=extracted.scopes)
     warn_if_unscheduled(regions, request)
