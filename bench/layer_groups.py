@@ -58,6 +58,15 @@ def models(quick: bool, accelerator: bool):
                 yield lm.name, lm.build()
 
 
+def one_stack(accelerator: bool):
+    """The issue's stack (or the accelerator's), after a line naming the device: its name,
+    loss, arguments, unplanned step and XLA's FLOPs of that step."""
+    print(f"jax {jax.__version__}, {jax.devices()[0].device_kind}")
+    name, (loss, args) = next(models(quick=True, accelerator=accelerator))
+    unplanned = step_of(loss, args)
+    return name, loss, args, unplanned, xla_flops(unplanned)
+
+
 def step_of(fun, args):
     return jax.jit(jax.grad(fun)).lower(*args).compile()
 

@@ -19,8 +19,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import jax  # noqa: E402
-from layer_groups import MiB, models, step_of, timed, xla_flops  # noqa: E402
+from layer_groups import MiB, one_stack, step_of, timed, xla_flops  # noqa: E402
 
 import optiremat  # noqa: E402
 from optiremat.client.policy import KeyPolicy  # noqa: E402
@@ -50,10 +49,7 @@ def main() -> None:
     parser.add_argument("--top", type=int, default=8, help="largest saved values tried")
     parser.add_argument("--rounds", type=int, default=15, help="timed runs of each step")
     ns = parser.parse_args()
-    print(f"jax {jax.__version__}, {jax.devices()[0].device_kind}")
-    name, (loss, args) = next(models(quick=True, accelerator=ns.accelerator))
-    unplanned = step_of(loss, args)
-    base = xla_flops(unplanned)
+    name, loss, args, unplanned, base = one_stack(ns.accelerator)
     if ns.budget is None:
         low = optiremat.min_feasible_budget(loss, *args, layer_groups=False)
         budget = (low + optiremat.measured_peak(unplanned)) // 2

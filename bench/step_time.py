@@ -22,7 +22,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import jax  # noqa: E402
 from layer_groups import (  # noqa: E402
     MiB,
-    models,
+    one_stack,
     step_of,
     timed,
     xla_flops,
@@ -42,10 +42,7 @@ def main() -> None:
                         help="a stack sized for one accelerator chip (bf16, D 1024)")
     parser.add_argument("--rounds", type=int, default=15, help="timed runs of each step")
     ns = parser.parse_args()
-    print(f"jax {jax.__version__}, {jax.devices()[0].device_kind}")
-    name, (loss, args) = next(models(quick=True, accelerator=ns.accelerator))
-    unplanned = step_of(loss, args)
-    base = xla_flops(unplanned)
+    name, loss, args, unplanned, base = one_stack(ns.accelerator)
     smallest = optiremat.optimize(loss, *args, budget=optiremat.min_feasible_budget(loss, *args))
     # The built-ins' recompute by the rule plans are costed by, on the plan's graph.
     ours = {b.name: b.recompute_flops for b in compare(smallest.graph, 0, 0, names=BUILTINS)}
