@@ -109,12 +109,19 @@ def _synthetic_batch(shaped: dict[str, Any], vocab: int) -> dict[str, jax.Array]
 
 
 def plan_maxtext(argv: Sequence[str], budget: int | str,
+                 progress: Callable[[str], None] | None = None,
                  **options: Any) -> tuple[PeakPlan, dict[str, Any]]:
     """The names-only plan of the model MaxText builds from ``argv`` at ``budget`` (the
-    peak of its training step's gradient), and the config overrides that build it."""
+    peak of its training step's gradient), and the config overrides that build it.
+    ``progress`` hears each stage as it starts (on a large model each takes minutes)."""
     from optiremat.client.planning import optimize
 
+    say = progress or (lambda line: None)
+    say(f"building the model MaxText builds from {argv[0]}")
     step = maxtext_step(argv)
+    say(f"planning its training step ({len(jax.tree.leaves(step.params))} parameter "
+        f"arrays, batch {dict((k, v.shape) for k, v in step.batch.items())}): each "
+        "candidate plan is compiled")
     with jax.set_mesh(step.mesh):
         plan = optimize(step.loss, step.params, step.batch, budget=budget,
                         saveable="maxtext", **options)

@@ -466,7 +466,9 @@ def _plan_maxtext(args: argparse.Namespace) -> int:
     from optiremat.client.maxtext import config_args, plan_maxtext
     from optiremat.client.planfile import PlanFile
 
-    plan, overrides = plan_maxtext(config_args(args.config, args.overrides), args.budget)
+    plan, overrides = plan_maxtext(config_args(args.config, args.overrides), args.budget,
+                                   progress=lambda line: print(f"# optiremat: {line}",
+                                                               file=sys.stderr, flush=True))
     if args.out:
         PlanFile.of(plan).write(args.out)
     assert plan.peak_bytes is not None

@@ -208,7 +208,9 @@ def test_the_cli_exports_a_plan_file(tmp_path, capsys) -> None:
 def test_plan_maxtext_without_maxtext_says_what_it_needs(monkeypatch, capsys) -> None:
     monkeypatch.setitem(sys.modules, "maxtext", None)  # as where it is not installed
     assert main(["plan-maxtext", "base.yml", "--budget", "1GiB"]) == 1
-    assert "needs MaxText installed beside optiremat" in capsys.readouterr().err
+    said = capsys.readouterr().err.splitlines()
+    assert said[0] == "# optiremat: building the model MaxText builds from base.yml"
+    assert "needs MaxText installed beside optiremat" in said[-1]
 
 
 # ---- Levanter: Haliax's ScanCheckpointPolicy over a scan's carry, inputs and internals ----
