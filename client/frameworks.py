@@ -166,7 +166,8 @@ def names_decided(graph: CostGraph, solution: Solution, key_aliases: Mapping[str
                           f"({solution.status})")
     if solution.no_checkpoint:
         raise ExportError(f"the plan adds no checkpoint (the step as written fits), which "
-                          f"{title} does not build: its layers are always checkpointed")
+                          f"optiremat does not write as {title}'s config yet: it writes the "
+                          f"policy of checkpointed layers only")
     if solution.layer_groups:
         raise ExportError(f"the plan gives a stack's layers saves of their own, and {title} "
                           f"takes one policy per stack: {again}")

@@ -131,7 +131,8 @@ def add_commands(parser: argparse.ArgumentParser,
                     "PlanFile.of(plan).write(path); a plan the framework cannot express is "
                     "refused with the reason.",
         epilog="example:\n  optiremat export maxtext plan.json >> my_model.yml\n"
-               "  python -m maxtext.train base.yml $(optiremat export maxtext plan.json "
+               "  python3 -m maxtext.trainers.pre_train.train base.yml "
+               "$(optiremat export maxtext plan.json "
                "--format args)")
     export.add_argument("framework", choices=["maxtext", "levanter"], metavar="FRAMEWORK",
                         help="maxtext (its top-level overrides) or levanter "
