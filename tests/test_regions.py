@@ -58,6 +58,38 @@ def test_two_stacks_are_two_runs_and_positions_without_an_anchor_none() -> None:
         repeated_runs(sigs, anchors, crossing[:-1])
 
 
+def test_a_first_and_a_last_block_alike_in_their_matmuls_extend_the_run() -> None:
+    # The first block reads its input through two operations more, the last runs another
+    # activation: alike to the others only in their matmuls, each is still one block.
+    unit = ["copy", "norm", "dot_q", "act", "dot_o", "add"]
+    first = ["transpose", "scale", "norm", "dot_q", "act", "dot_o", "add"]
+    last = ["copy", "norm", "dot_q", "gelu", "dot_o", "add"]
+    sigs = ["embed", *first, *unit * 3, *last, "final_norm", "head_dot", "loss"]
+    anchors = [s.startswith(("dot", "head")) for s in sigs]
+    edges = {1, 8, 14, 20, 26, 32}  # where only the residual stream crosses
+    crossing = [1 if b in edges else 3 for b in range(len(sigs) + 1)]
+    (run,) = repeated_runs(sigs, anchors, crossing)
+    assert run == Run(start=8, period=6, count=3, head=7, tail=6)
+    assert run.units() == [(1, 8), (8, 14), (14, 20), (20, 26), (26, 32)]
+    # A position that may not be part of a block (a scan) is in none.
+    free = [i != 2 for i in range(len(sigs))]
+    (run,) = repeated_runs(sigs, anchors, crossing, free)
+    assert not any(a <= 2 < b for a, b in run.units())
+
+
+def test_boundaries_crossing_alike_are_those_cutting_fewest_scopes() -> None:
+    # A pre-norm layer's midpoint crosses as little as its ends: the name scopes decide.
+    unit = ["norm", "dot_q", "act", "dot_o", "add"]
+    sigs = [*unit * 3, "norm", "dot_q"]
+    anchors = [s.startswith("dot") for s in sigs]
+    crossing = [1] * (len(sigs) + 1)
+    (run,) = repeated_runs(sigs, anchors, crossing)
+    assert run.start == 0  # ties: the first offset
+    shared = [0 if b in {1, 6, 11, 16} else 2 for b in range(len(sigs) + 1)]
+    (run,) = repeated_runs(sigs, anchors, crossing, shared=shared)
+    assert run == Run(start=1, period=5, count=3)
+
+
 def test_crossing_bytes_counts_what_is_live_across_each_boundary() -> None:
     # value 0 made at 0, read last at 2; value 1 made at 1, read at 3 (n = 4)
     assert crossing_bytes([0, 1], [2, 3], [10, 5], 4) == [0, 10, 15, 5, 0]

@@ -188,19 +188,23 @@ class _Finder:
         return claims
 
     def repeated(self, jaxpr: jx.Jaxpr, barrier: Sequence[bool]) -> list[tuple[int, int]]:
-        """Repeated units: of equations alike to the byte first (a loop's layers), then,
-        where none were, of the same structure on other shapes (a U-Net's blocks)."""
+        """Repeated units: calls of one function of the user's from several places (a
+        U-Net's blocks), then, in what is left, equations alike to the byte (a loop's
+        layers), then of the same structure on other shapes."""
         eqns = jaxpr.eqns
         if sum(not barrier[i] and holds(e, ANCHORS) for i, e in enumerate(eqns)) < 2:
             return []
-        crossing = _crossing(jaxpr)
-        units: list[tuple[int, int]] = []
+        crossing, shared = _crossing(jaxpr), _shared_scopes(eqns)
+        units = called_blocks(eqns, barrier)
         taken = list(barrier)
+        for start, end in units:
+            taken[start:end] = [True] * (end - start)
         for signature in (eqn_signature, _structure):
             signatures: list[object] = [("taken", i) if taken[i] else signature(e)
                                         for i, e in enumerate(eqns)]
             anchors = [not taken[i] and holds(e, ANCHORS) for i, e in enumerate(eqns)]
-            for run in repeated_runs(signatures, anchors, crossing):
+            free = [not t for t in taken]
+            for run in repeated_runs(signatures, anchors, crossing, free, shared):
                 for start, end in run.units():
                     units.append((start, end))
                     taken[start:end] = [True] * (end - start)
@@ -237,6 +241,50 @@ class _Finder:
             end = padded.find("/", at + 1 + len(scope.strip("/")))
             return padded[1:] if end < 0 else padded[1:end]
         return None
+
+
+def called_blocks(eqns: Sequence, barrier: Sequence[bool]) -> list[tuple[int, int]]:
+    """Blocks that are calls of one function of the user's from several places in its code
+    (a U-Net's block function, once per level, on other shapes each time).
+
+    Down the traceback from the outermost frame, through calls that hold every anchor (the
+    loss calling the model), to the first depth where the anchors part: there, the calls
+    of a function outside the libraries made two or more times, each holding two anchors
+    or more and the same structure. Calls one after another from one line (a Python
+    loop's) read as one call there, whose inner calls are not looked at: loops are left
+    to the patterns, as are helpers of one matmul."""
+    frames = [() if barrier[i] else tuple(reversed(jx.frames_of(e)))
+              for i, e in enumerate(eqns)]
+    anchored = [not barrier[i] and holds(e, ANCHORS) for i, e in enumerate(eqns)]
+    # How many frames, lines included, each equation shares with the one before it.
+    above = [0] + [len(os.path.commonprefix([x, y])) for x, y in zip(frames, frames[1:],
+                                                                      strict=False)]
+    for depth in range(max(map(len, frames), default=0)):
+        spans: list[tuple[tuple[str, str] | None, int, int]] = []  # (function, start, end)
+        for i, f in enumerate(frames):
+            function = (f[depth][0], f[depth][2]) if len(f) > depth else None
+            if (spans and function is not None and spans[-1][0] == function
+                    and above[i] >= depth and spans[-1][2] == i):
+                spans[-1] = (function, spans[-1][1], i + 1)
+            else:
+                spans.append((function, i, i + 1))
+        parts = [(function, a, b) for function, a, b in spans if any(anchored[a:b])]
+        if len(parts) == 1 and parts[0][0] is not None:
+            continue  # one call holds every anchor: look inside it
+        calls: dict[tuple[str, str], list[tuple[int, int]]] = {}
+        for function, a, b in parts:
+            if function is not None and not _in_library(function[0]):
+                calls.setdefault(function, []).append((a, b))
+        return sorted(span for found in calls.values() if _alike_calls(eqns, found)
+                      for span in found)
+    return []
+
+
+def _alike_calls(eqns: Sequence, spans: list[tuple[int, int]]) -> bool:
+    """Whether ``spans`` are two or more calls of one structure, each of two anchors or more."""
+    structures = {tuple(_structure(e) for e in eqns[a:b]) for a, b in spans}
+    return len(spans) >= 2 and len(structures) == 1 and sum(
+        holds(e, ANCHORS) for e in eqns[spans[0][0]:spans[0][1]]) >= 2
 
 
 def _user_source(eqns: Sequence) -> str:
@@ -298,6 +346,14 @@ def _structure(eqn) -> tuple:
     avals = [x.aval for x in eqn.invars]
     return (eqn.primitive.name, tuple(len(getattr(a, "shape", ())) for a in avals),
             tuple(str(getattr(a, "dtype", "")) for a in avals))
+
+
+def _shared_scopes(eqns: Sequence) -> list[int]:
+    """Per boundary between equations, how many name scopes the equations either side of
+    it share: 0 between two modules' calls, more inside one (``h_1/attn | h_1/mlp``: 1)."""
+    stacks = [str(e.source_info.name_stack).split("/") for e in eqns]
+    return [0, *(len(os.path.commonprefix([a, b])) if a != [""] else 0
+                 for a, b in zip(stacks, stacks[1:], strict=False)), 0]
 
 
 def _crossing(jaxpr: jx.Jaxpr) -> list[int]:

@@ -11,14 +11,23 @@ a sequence of equation signatures, in time near-linear in its length:
 2. for a period ``p``, one pass finds the maximal stretches where
    ``signature[i] == signature[i + p]``; a stretch of ``L >= p`` matches is
    ``(L + p) // p`` copies of a unit of ``p`` equations;
-3. of the offsets where the copies may start, the one whose boundaries cross
-   the fewest bytes (the residual stream, not a layer's insides) is taken;
-4. the longest run is kept and the rest of the sequence searched again.
+3. a run may gain a copy at either end that is alike only in its anchors (the
+   first block of a decoder reads the embedding through a transpose the others
+   do not need; the last feeds the final norm): the positions just before (after)
+   it holding the unit's anchors in order, from (to) the nearest boundary that
+   crosses no more than the run's own boundaries do;
+4. of the offsets where the copies may start, the one giving the most copies,
+   extensions included, is taken, then the one whose boundaries cross the fewest
+   bytes (the residual stream, not a layer's insides: a pre-norm layer's midpoint
+   crosses as little as its ends, and only its ends let the first layer extend),
+   then the one whose boundaries cut the fewest name scopes (a module's path);
+5. the longest run is kept and the rest of the sequence searched again.
 
 It knows nothing of JAX: signatures are hashables, ``crossing[b]`` the bytes
-live across the boundary before position ``b`` (``len(crossing) == n + 1``).
+live across the boundary before position ``b`` (``len(crossing) == n + 1``),
+``shared[b]`` how many name scopes the positions either side of it share.
 Positions that must not be part of a block (scans, the user's checkpoints)
-carry signatures no other position has.
+carry signatures no other position has, and ``free`` false.
 """
 
 from __future__ import annotations
@@ -33,36 +42,57 @@ CANDIDATE_PERIODS = 3
 
 @dataclass(frozen=True)
 class Run:
-    """``count`` consecutive copies of a unit of ``period`` positions from ``start``."""
+    """``count`` consecutive copies of a unit of ``period`` positions from ``start``, with
+    a copy alike only in its anchors of ``head`` positions just before them and one of
+    ``tail`` positions just after (0: none)."""
 
     start: int
     period: int
     count: int
+    head: int = 0
+    tail: int = 0
+
+    @property
+    def begin(self) -> int:
+        return self.start - self.head
 
     @property
     def end(self) -> int:
-        return self.start + self.period * self.count
+        return self.start + self.period * self.count + self.tail
 
     def units(self) -> list[tuple[int, int]]:
-        """Each copy's positions, as ``(start, end)``."""
-        return [(self.start + k * self.period, self.start + (k + 1) * self.period)
-                for k in range(self.count)]
+        """Each copy's positions, as ``(start, end)``, the head and tail included."""
+        exact = [(self.start + k * self.period, self.start + (k + 1) * self.period)
+                 for k in range(self.count)]
+        head = [(self.begin, self.start)] if self.head else []
+        tail = [(exact[-1][1], self.end)] if self.tail else []
+        return head + exact + tail
 
 
 def repeated_runs(signatures: Sequence[Hashable], anchors: Sequence[bool],
-                  crossing: Sequence[int]) -> list[Run]:
-    """The runs of at least two copies of a unit holding an anchor, in order, disjoint."""
-    if len(crossing) != len(signatures) + 1 or len(anchors) != len(signatures):
-        raise ValueError("one anchor flag per signature and one crossing per boundary")
+                  crossing: Sequence[int], free: Sequence[bool] | None = None,
+                  shared: Sequence[int] | None = None) -> list[Run]:
+    """The runs of at least two copies of a unit holding an anchor, in order, disjoint;
+    no copy holds a position ``free`` marks false (all are free by default). Where
+    boundaries cross bytes alike, those cutting fewest scopes (``shared[b]``: how many
+    the positions either side of boundary ``b`` share, a module path's depth) bound the
+    copies."""
+    n = len(signatures)
+    if (len(crossing) != n + 1 or len(anchors) != n or (free is not None and len(free) != n)
+            or (shared is not None and len(shared) != n + 1)):
+        raise ValueError("one anchor (and free) flag per signature and one crossing per "
+                         "boundary (and one count of shared scopes)")
+    seq = _Sequence(signatures, anchors, crossing, [True] * n if free is None else free,
+                    [0] * (n + 1) if shared is None else shared)
     found: list[Run] = []
     stack = [(0, len(signatures))]
     while stack:
         lo, hi = stack.pop()
-        run = _longest_run(signatures, anchors, crossing, lo, hi)
+        run = seq.longest_run(lo, hi)
         if run is None:
             continue
         found.append(run)
-        stack.extend([(lo, run.start), (run.end, hi)])
+        stack.extend([(lo, run.begin), (run.end, hi)])
     return sorted(found, key=lambda r: r.start)
 
 
@@ -88,44 +118,82 @@ def _candidate_periods(signatures: Sequence[Hashable], anchors: Sequence[bool],
     return periods[:CANDIDATE_PERIODS]
 
 
-def _longest_run(signatures: Sequence[Hashable], anchors: Sequence[bool],
-                 crossing: Sequence[int], lo: int, hi: int) -> Run | None:
-    best: Run | None = None
-    for p in _candidate_periods(signatures, anchors, lo, hi):
-        i = lo
-        while i + p < hi:
-            if signatures[i] != signatures[i + p]:
-                i += 1
+@dataclass(frozen=True)
+class _Sequence:
+    signatures: Sequence[Hashable]
+    anchors: Sequence[bool]
+    crossing: Sequence[int]
+    free: Sequence[bool]
+    shared: Sequence[int]
+
+    def longest_run(self, lo: int, hi: int) -> Run | None:
+        best: Run | None = None
+        for p in _candidate_periods(self.signatures, self.anchors, lo, hi):
+            i = lo
+            while i + p < hi:
+                if self.signatures[i] != self.signatures[i + p]:
+                    i += 1
+                    continue
+                a = i
+                while i + p < hi and self.signatures[i] == self.signatures[i + p]:
+                    i += 1
+                run = self.placed(a, i - a, p, lo, hi)
+                if run is not None and (best is None or run.end - run.begin
+                                        > best.end - best.begin):
+                    best = run
+        return best
+
+    def placed(self, a: int, matches: int, p: int, lo: int, hi: int) -> Run | None:
+        """The copies in the stretch ``[a, a + matches + p)`` and the near copies next to
+        them: the most there are, starting where the boundaries cross the fewest bytes."""
+        covered = matches + p
+        options = []
+        for offset in range(min(p, covered - 2 * p + 1)):
+            start = a + offset
+            run = Run(start, p, (covered - offset) // p)
+            if not any(self.anchors[start:start + p]):
                 continue
-            a = i
-            while i + p < hi and signatures[i] == signatures[i + p]:
-                i += 1
-            run = _placed(a, i - a, p, anchors, crossing)
-            if run is not None and (best is None or run.count * run.period
-                                    > best.count * best.period):
-                best = run
-    return best
+            run = self.extended(run, lo, hi)
+            units = run.units()
+            options.append((-len(units), self.crossing[run.begin] + self.crossing[run.end],
+                            sum(self.shared[b] for b, _ in units) + self.shared[run.end],
+                            offset, run))
+        return min(options, key=lambda o: o[:4])[4] if options else None
 
+    def extended(self, run: Run, lo: int, hi: int) -> Run:
+        """``run`` with a near copy before and after it, where there is one: the positions
+        holding the unit's anchors in order (signatures equal), every position free, out to
+        the nearest boundary crossing no more bytes than the run's own widest boundary."""
+        unit = range(run.start, run.start + run.period)
+        wanted = [self.signatures[i] for i in unit if self.anchors[i]]
+        widest = max(self.crossing[b] for b in range(run.start, run.end + 1, run.period))
+        reach = 2 * run.period  # a near copy is no longer than two copies
+        head = self._near_copy(range(run.start - 1, max(lo, run.start - reach) - 1, -1),
+                               wanted[::-1], widest)
+        tail = self._near_copy(range(run.end, min(hi, run.end + reach)), wanted, widest)
+        return Run(run.start, run.period, run.count,
+                   head=0 if head is None else run.start - head,
+                   tail=0 if tail is None else tail - run.end)
 
-def _placed(a: int, matches: int, p: int, anchors: Sequence[bool],
-            crossing: Sequence[int]) -> Run | None:
-    """The copies in the stretch ``[a, a + matches + p)``: as many as fit, starting where
-    the boundaries cross the fewest bytes."""
-    covered = matches + p
-    if covered < 2 * p:
+    def _near_copy(self, positions: range, wanted: list[Hashable], widest: int) -> int | None:
+        """Walking ``positions`` away from a run, the boundary where a copy holding the
+        anchors ``wanted`` (in walking order) ends: None where the anchors differ, a
+        position is not free, or no boundary past the last anchor is narrow enough."""
+        step = positions.step
+        met = 0
+        for i in positions:
+            if not self.free[i]:
+                return None
+            if self.anchors[i]:
+                if met == len(wanted) or self.signatures[i] != wanted[met]:
+                    return None
+                met += 1
+            if met == len(wanted):
+                # the boundary on the far side of position i
+                boundary = i if step < 0 else i + 1
+                if self.crossing[boundary] <= widest:
+                    return boundary
         return None
-    options = []
-    for offset in range(p):
-        count = (covered - offset) // p
-        if count < 2:
-            break
-        start = a + offset
-        options.append((-count, crossing[start] + crossing[start + count * p], offset,
-                        Run(start, p, count)))
-    _, _, _, run = min(options, key=lambda o: o[:3])
-    if not any(anchors[run.start:run.start + p]):
-        return None
-    return run
 
 
 def crossing_bytes(defined: Sequence[int], last_read: Sequence[int], nbytes: Sequence[int],
