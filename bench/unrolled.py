@@ -2,6 +2,7 @@
 
     .venv/bin/python bench/unrolled.py            # every model, 16 points each
     .venv/bin/python bench/unrolled.py --quick    # 6 points on the QUICK models
+    .venv/bin/python bench/unrolled.py --models unet_3level penzai_llama_L6
 
 For every model of the unrolled corpus (``tests/unrolled_models.py``), as its
 library writes it (a user's own per-block checkpoints included), it prints:
@@ -134,11 +135,14 @@ def twin(unrolled: Model, scanned: Model) -> tuple[float, float]:
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="6 points on the QUICK models")
+    parser.add_argument("--models", nargs="+", choices=[m.name for m in CORPUS],
+                        help="these models of the corpus only")
     opts = parser.parse_args(argv)
     warnings.simplefilter("ignore", ScheduleWarning)  # this bench measures both schedules
     print(f"jax {jax.__version__}; this process's default compile keeps checkpoint barriers: "
           f"{barriers_kept()}")
-    models = [m for m in CORPUS if m.name in QUICK] if opts.quick else CORPUS
+    chosen = opts.models or (QUICK if opts.quick else [m.name for m in CORPUS])
+    models = [m for m in CORPUS if m.name in chosen]
     results = [report(m, 6 if opts.quick else 16) for m in models]
     errors = [e for r in results for e in r["errors"]]
     twins = [r["twin"] for r in results if "twin" in r]

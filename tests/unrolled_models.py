@@ -19,7 +19,7 @@ compiles nothing: weights come from numpy, over the shapes ``jax.eval_shape``
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import equinox as eqx
@@ -29,6 +29,10 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 from jax import lax
+from penzai import pz
+from penzai.models.transformer import model_parts
+from penzai.models.transformer.variants import llamalike_common
+from penzai.toolshed.gradient_checkpointing import Checkpointed
 
 from tests.lm_models import decoder_layer
 from tests.peak_models import _layernorm, _rmsnorm, _weights, llama_layer
@@ -393,6 +397,96 @@ def unet(remat: Policy | None) -> Built:
     return loss, (params, images)
 
 
+# ---- penzai: a Llama-like decoder of named-axis layers (every operation vmap-ed) ------
+
+_PENZAI = {"layers": 6, "d": 256, "ffn": 512, "kv_heads": 2, "q_per_kv": 2, "head_dim": 64,
+           "vocab": 4096, "batch": 4, "seq": 128}
+
+
+def penzai_llama(remat: Policy | None) -> Built:
+    """penzai's Llama-like transformer, its blocks in a ``pz.nn.Sequential``; every
+    operation runs through the named-axis wrappers (``nmap``, a vmap per named axis), and
+    the first block reads the embedding through a transpose the others do not need.
+    ``build(policy)`` wraps each block in ``penzai.toolshed``'s ``Checkpointed``."""
+    c = _PENZAI
+    config = llamalike_common.LlamalikeTransformerConfig(
+        num_kv_heads=c["kv_heads"], query_head_multiplier=c["q_per_kv"],
+        embedding_dim=c["d"], projection_dim=c["head_dim"], mlp_hidden_dim=c["ffn"],
+        num_decoder_blocks=c["layers"], vocab_size=c["vocab"], mlp_variant="swiglu",
+        tie_embedder_and_logits=False)
+    # Without an initialising key the model holds parameter slots: the values are bound
+    # per call, from numpy over the shapes penzai's own initialisation gives.
+    unbound = llamalike_common.build_llamalike_transformer(config, init_base_rng=None)
+    if remat is not None:
+        unbound = (pz.select(unbound).at_instances_of(model_parts.TransformerBlock)
+                   .apply(lambda block: Checkpointed(block, policy=remat)))
+    shapes = jax.eval_shape(lambda: pz.freeze_params(pz.unbind_params(
+        llamalike_common.build_llamalike_transformer(config, jax.random.key(0)))[1]))
+    rng = np.random.default_rng(90)
+
+    def filled(label: str, leaf: jax.ShapeDtypeStruct) -> jax.Array:
+        if "norm" in label:
+            return jnp.ones(leaf.shape, leaf.dtype)
+        return jnp.asarray(rng.standard_normal(leaf.shape) * 0.02, leaf.dtype)
+    params = tuple(replace(v, value=jax.tree.map(lambda leaf, v=v: filled(v.label, leaf),
+                                                 v.value))
+                   for v in shapes)
+    tokens = jnp.asarray(rng.integers(0, c["vocab"], (c["batch"], c["seq"] + 1)), jnp.int32)
+
+    def loss(params: tuple[Any, ...], tokens: jax.Array) -> jax.Array:
+        model = pz.bind_variables(unbound, params)
+        logits = model(pz.nx.wrap(tokens[:, :-1]).tag("batch", "seq"))
+        return _cross_entropy(logits.untag("batch", "seq", "vocabulary").unwrap(),
+                              tokens[:, 1:])
+
+    return loss, (params, tokens)
+
+
+# ---- plain JAX: a decoder whose first and last blocks differ from the rest -----------
+
+
+def _windowed_layer(window: int | None, time_major: bool) -> Callable[..., jax.Array]:
+    """A Llama layer whose attention sees the last ``window`` positions (None: all of
+    them), reading its input time-major where ``time_major``."""
+    heads, kv_heads = _LLAMA["heads"], _LLAMA["kv_heads"]
+
+    def layer(h: jax.Array, p: dict[str, jax.Array]) -> jax.Array:
+        if time_major:
+            h = jnp.transpose(h, (1, 0, 2))
+        b, t, d = h.shape
+        hd = d // heads
+        x = _rmsnorm(h, p["attn_norm"])
+        q = (x @ p["wq"]).reshape(b, t, heads, hd)
+        k = jnp.repeat((x @ p["wk"]).reshape(b, t, kv_heads, hd), heads // kv_heads, axis=2)
+        v = jnp.repeat((x @ p["wv"]).reshape(b, t, kv_heads, hd), heads // kv_heads, axis=2)
+        scores = jnp.einsum("bthd,bshd->bhts", q, k) / np.sqrt(hd)
+        seen = jnp.tril(jnp.ones((t, t), dtype=bool))
+        if window is not None:
+            seen = seen & jnp.triu(jnp.ones((t, t), dtype=bool), -window)
+        attn = jax.nn.softmax(jnp.where(seen, scores, -1e9), axis=-1)
+        h = h + jnp.einsum("bhts,bshd->bthd", attn, v).reshape(b, t, d) @ p["wo"]
+        x = _rmsnorm(h, p["mlp_norm"])
+        return h + (jax.nn.silu(x @ p["w_gate"]) * (x @ p["w_up"])) @ p["w_down"]
+    return layer
+
+
+def first_last_llama(remat: Policy | None) -> Built:
+    """Six Llama layers in a Python loop: the first and last attend globally, the first
+    reading time-major embeddings; the four between attend within a window of 32."""
+    layers = _LLAMA["layers"]
+    first, middle, last = (_checkpointed(_windowed_layer(w, tm), remat)
+                           for w, tm in [(None, True), (32, False), (None, False)])
+
+    def loss(params: list[dict[str, jax.Array]], x: jax.Array) -> jax.Array:
+        x = first(jnp.transpose(x, (1, 0, 2)), params[0])
+        for p in params[1:-1]:
+            x = middle(x, p)
+        return jnp.mean(jnp.square(last(x, params[-1])))
+
+    stacked, x = _llama_weights()
+    return loss, ([{n: w[i] for n, w in stacked.items()} for i in range(layers)], x)
+
+
 # ---- plain JAX LM: embedding, unrolled Llama layers, untied head at V 8k -------------
 
 _LM = {"layers": 6, "d": 256, "ffn": 512, "heads": 4, "kv_heads": 2, "vocab": 8192,
@@ -476,6 +570,14 @@ CORPUS: list[Model] = [
           "concatenated on channels; jax.checkpoint(block, policy=...) per block"),
     Model("lm_unrolled_V8k_L6", lm_unrolled, 6, "lm_scan_V8k_L6",
           "plain JAX LM: embedding, a Python loop of Llama layers, untied head at V 8k; "
+          "jax.checkpoint(layer, policy=...)"),
+    Model("penzai_llama_L6", penzai_llama, 6, None,
+          "penzai's Llama-like decoder: named-axis layers (every operation vmap-ed) in a "
+          "pz.nn.Sequential, the first block reading the embedding through a transpose; "
+          "penzai.toolshed's Checkpointed(block, policy=...)"),
+    Model("first_last_llama_L6", first_last_llama, 6, None,
+          "plain JAX: Llama layers in a Python loop, the first and last attending globally "
+          "(the first reading time-major input), the others within a window; "
           "jax.checkpoint(layer, policy=...)"),
 ]
 
