@@ -1,0 +1,114 @@
+"""Time to plan against one compile of the step (issue 40): per model of the unrolled
+corpus and the scan corpus.
+
+Each figure comes from a fresh process (cold caches: JAX's, XLA's and the planner's):
+one process compiles the unplanned step ``jax.jit(jax.grad(loss))`` once as a user
+does, another runs ``optimize`` at 0.6x that step's measured peak (where no plan fits
+there, a third at the smallest budget the second names), counting the XLA compiles
+planning makes and the seconds they take. Plans are for this process's own compile
+(``schedule="process"``, the default). The ratio is the wall time of ``optimize`` over the
+one compile.
+
+    .venv/bin/python bench/plan_time.py [--models NAME ...]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+# The share of the no-remat peak each model is planned at (the issue's figure).
+SHARE = 0.6
+
+
+def _models() -> dict:
+    from tests.peak_models import CORPUS as SCAN_CORPUS
+    from tests.unrolled_models import CORPUS as UNROLLED
+
+    found = {m.name: (lambda m=m: m.build(m.user_policy)) for m in UNROLLED}
+    found.update({m.name: m.build for m in SCAN_CORPUS})
+    return found
+
+
+def _compile_once(name: str) -> dict:
+    import jax
+
+    import optiremat
+
+    loss, args = _models()[name]()
+    started = time.perf_counter()
+    compiled = jax.jit(jax.grad(loss)).lower(*args).compile()
+    seconds = time.perf_counter() - started
+    return {"seconds": seconds, "peak": optiremat.measured_peak(compiled)}
+
+
+def _plan(name: str, budget: int) -> dict:
+    from peak import _CompileTimer
+
+    import optiremat
+    from optiremat.solver.solution import InfeasibleBudgetError
+
+    loss, args = _models()[name]()
+    with _CompileTimer() as compiles:
+        started = time.perf_counter()
+        try:
+            optiremat.optimize(loss, *args, budget=budget)
+        except InfeasibleBudgetError as err:  # the parent plans the smallest, afresh
+            return {"smallest": err.min_budget_bytes}
+        seconds = time.perf_counter() - started
+    return {"seconds": seconds, "budget": budget, "compiles": len(compiles.seconds),
+            "compile_seconds": sum(compiles.seconds)}
+
+
+def _in_fresh_process(*argv: str) -> dict:
+    done = subprocess.run([sys.executable, __file__, *argv], capture_output=True, text=True,
+                          check=False)
+    if done.returncode != 0:
+        raise RuntimeError(f"{' '.join(argv)} failed:\n{done.stderr[-2000:]}")
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--models", nargs="+", help="these models only (default: all)")
+    parser.add_argument("--one", nargs=2, metavar=("WHAT", "NAME"), help=argparse.SUPPRESS)
+    parser.add_argument("--budget", type=int, help=argparse.SUPPRESS)
+    ns = parser.parse_args()
+    if ns.one:  # a child process: one figure, as JSON on the last line
+        what, name = ns.one
+        print(json.dumps(_compile_once(name) if what == "compile" else _plan(name, ns.budget)))
+        return
+    import jax
+
+    names = ns.models or list(_models())
+    print(f"jax {jax.__version__}, {jax.devices()[0].device_kind}; each figure from a fresh "
+          f"process; plans at {SHARE}x the no-remat peak")
+    print(f"{'model':>24} | {'one compile':>11} | {'budget MiB':>10} | {'optimize':>8} | "
+          f"{'compiles (s)':>13} | ratio")
+    ratios = {}
+    for name in names:
+        step = _in_fresh_process("--one", "compile", name)
+        budget = int(step["peak"] * SHARE)
+        planned = _in_fresh_process("--one", "plan", name, "--budget", str(budget))
+        smallest = " (smallest)" if "smallest" in planned else ""
+        if smallest:
+            planned = _in_fresh_process("--one", "plan", name,
+                                        "--budget", str(planned["smallest"]))
+        ratios[name] = planned["seconds"] / step["seconds"]
+        compiles = f"{planned['compiles']:3d} ({planned['compile_seconds']:5.1f} s)"
+        print(f"{name:>24} | {step['seconds']:9.2f} s | {planned['budget'] / 2**20:10.2f} | "
+              f"{planned['seconds']:6.2f} s | {compiles} | {ratios[name]:.2f}x{smallest}")
+    print(f"\n## time to plan over one compile: {min(ratios.values()):.2f}x .. "
+          f"{max(ratios.values()):.2f}x; within 2x on {sum(r <= 2 for r in ratios.values())}/"
+          f"{len(ratios)}")
+
+
+if __name__ == "__main__":
+    main()
