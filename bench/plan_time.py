@@ -5,7 +5,8 @@ Each figure comes from a fresh process (cold caches: JAX's, XLA's and the planne
 one process compiles the unplanned step ``jax.jit(jax.grad(loss))`` once as a user
 does, another runs ``optimize`` at 0.6x that step's measured peak (where no plan fits
 there, a third at the smallest budget the second names), counting the XLA compiles
-planning makes and the seconds they take. Plans are for this process's own compile
+planning makes, the seconds they take and what each was for (extraction, calibration,
+refinement, mixing, ...). Plans are for this process's own compile
 (``schedule="process"``, the default). The ratio is the wall time of ``optimize`` over the
 one compile.
 
@@ -19,9 +20,10 @@ import json
 import subprocess
 import sys
 import time
+import traceback
+from collections import Counter
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 # The share of the no-remat peak each model is planned at (the figure).
@@ -49,22 +51,48 @@ def _compile_once(name: str) -> dict:
     return {"seconds": seconds, "peak": optiremat.measured_peak(compiled)}
 
 
+# What each compile planning makes is for: the innermost of these planner functions on
+# its call stack.
+PHASES = {"barriers_kept": "schedule probe", "working_bytes_in_step": "step working set",
+          "traced_step_extraction": "extraction", "calibrate_phases": "calibration",
+          "measured_split": "mixing", "as_written_peak": "step as written",
+          "measured": "refinement"}
+
+
+def _phase() -> str:
+    for frame in reversed(traceback.extract_stack()):
+        if frame.name in PHASES:
+            return PHASES[frame.name]
+    return "other"
+
+
 def _plan(name: str, budget: int) -> dict:
-    from peak import _CompileTimer
+    import jax
 
     import optiremat
     from optiremat.solver.solution import InfeasibleBudgetError
 
     loss, args = _models()[name]()
-    with _CompileTimer() as compiles:
+    original, seconds, phases = jax.stages.Lowered.compile, [], Counter()
+
+    def compile(lowered, *a, **k):
+        phases[_phase()] += 1
         started = time.perf_counter()
         try:
-            optiremat.optimize(loss, *args, budget=budget)
-        except InfeasibleBudgetError as err:  # the parent plans the smallest, afresh
-            return {"smallest": err.min_budget_bytes}
-        seconds = time.perf_counter() - started
-    return {"seconds": seconds, "budget": budget, "compiles": len(compiles.seconds),
-            "compile_seconds": sum(compiles.seconds)}
+            return original(lowered, *a, **k)
+        finally:
+            seconds.append(time.perf_counter() - started)
+
+    jax.stages.Lowered.compile = compile  # type: ignore[method-assign]
+    started = time.perf_counter()
+    try:
+        optiremat.optimize(loss, *args, budget=budget)
+    except InfeasibleBudgetError as err:  # the parent plans the smallest, afresh
+        return {"smallest": err.min_budget_bytes}
+    finally:
+        jax.stages.Lowered.compile = original  # type: ignore[method-assign]
+    return {"seconds": time.perf_counter() - started, "budget": budget,
+            "compiles": len(seconds), "compile_seconds": sum(seconds), "phases": phases}
 
 
 def _in_fresh_process(*argv: str) -> dict:
@@ -105,6 +133,8 @@ def main() -> None:
         compiles = f"{planned['compiles']:3d} ({planned['compile_seconds']:5.1f} s)"
         print(f"{name:>24} | {step['seconds']:9.2f} s | {planned['budget'] / 2**20:10.2f} | "
               f"{planned['seconds']:6.2f} s | {compiles} | {ratios[name]:.2f}x{smallest}")
+        print(f"{'':>24}   compiles for " + ", ".join(
+            f"{phase} {n}" for phase, n in planned["phases"].items()))
     print(f"\n## time to plan over one compile: {min(ratios.values()):.2f}x .. "
           f"{max(ratios.values()):.2f}x; within 2x on {sum(r <= 2 for r in ratios.values())}/"
           f"{len(ratios)}")
