@@ -192,17 +192,18 @@ class _Finder:
         U-Net's blocks), then, in what is left, equations alike to the byte (a loop's
         layers), then of the same structure on other shapes."""
         eqns = jaxpr.eqns
-        if sum(not barrier[i] and holds(e, ANCHORS) for i, e in enumerate(eqns)) < 2:
+        anchored = [not barrier[i] and holds(e, ANCHORS) for i, e in enumerate(eqns)]
+        if sum(anchored) < 2:
             return []
         crossing, shared = _crossing(jaxpr), _shared_scopes(eqns)
-        units = called_blocks(eqns, barrier)
+        units = called_blocks(eqns, barrier, anchored)
         taken = list(barrier)
         for start, end in units:
             taken[start:end] = [True] * (end - start)
         for signature in (eqn_signature, _structure):
             signatures: list[object] = [("taken", i) if taken[i] else signature(e)
                                         for i, e in enumerate(eqns)]
-            anchors = [not taken[i] and holds(e, ANCHORS) for i, e in enumerate(eqns)]
+            anchors = [a and not t for a, t in zip(anchored, taken, strict=True)]
             free = [not t for t in taken]
             for run in repeated_runs(signatures, anchors, crossing, free, shared):
                 for start, end in run.units():
@@ -243,7 +244,8 @@ class _Finder:
         return None
 
 
-def called_blocks(eqns: Sequence, barrier: Sequence[bool]) -> list[tuple[int, int]]:
+def called_blocks(eqns: Sequence, barrier: Sequence[bool],
+                  anchored: Sequence[bool]) -> list[tuple[int, int]]:
     """Blocks that are calls of one function of the user's from several places in its code
     (a U-Net's block function, once per level, on other shapes each time).
 
@@ -252,10 +254,10 @@ def called_blocks(eqns: Sequence, barrier: Sequence[bool]) -> list[tuple[int, in
     of a function outside the libraries made two or more times, each holding two anchors
     or more and the same structure. Calls one after another from one line (a Python
     loop's) read as one call there, whose inner calls are not looked at: loops are left
-    to the patterns, as are helpers of one matmul."""
+    to the patterns, as are helpers of one matmul. ``anchored``: per equation, whether it
+    holds an anchor outside a barrier."""
     frames = [() if barrier[i] else tuple(reversed(jx.frames_of(e)))
               for i, e in enumerate(eqns)]
-    anchored = [not barrier[i] and holds(e, ANCHORS) for i, e in enumerate(eqns)]
     # How many frames, lines included, each equation shares with the one before it.
     above = [0] + [len(os.path.commonprefix([x, y])) for x, y in zip(frames, frames[1:],
                                                                       strict=False)]
@@ -275,16 +277,17 @@ def called_blocks(eqns: Sequence, barrier: Sequence[bool]) -> list[tuple[int, in
         for function, a, b in parts:
             if function is not None and not _in_library(function[0]):
                 calls.setdefault(function, []).append((a, b))
-        return sorted(span for found in calls.values() if _alike_calls(eqns, found)
-                      for span in found)
+        return sorted(span for found in calls.values()
+                      if _alike_calls(eqns, anchored, found) for span in found)
     return []
 
 
-def _alike_calls(eqns: Sequence, spans: list[tuple[int, int]]) -> bool:
+def _alike_calls(eqns: Sequence, anchored: Sequence[bool],
+                 spans: list[tuple[int, int]]) -> bool:
     """Whether ``spans`` are two or more calls of one structure, each of two anchors or more."""
     structures = {tuple(_structure(e) for e in eqns[a:b]) for a, b in spans}
-    return len(spans) >= 2 and len(structures) == 1 and sum(
-        holds(e, ANCHORS) for e in eqns[spans[0][0]:spans[0][1]]) >= 2
+    first, end = spans[0]
+    return len(spans) >= 2 and len(structures) == 1 and sum(anchored[first:end]) >= 2
 
 
 def _user_source(eqns: Sequence) -> str:

@@ -200,11 +200,14 @@ class _Refinement:
                     or self.best.peak_bytes >= (1 - ROOM) * self.budget):
                 return
             fitted = [shift for shift, peak in self.peaks.items() if peak <= self.budget]
+            if not fitted:
+                return
+            least = min(fitted)
             over = [shift for shift, peak in self.peaks.items()
-                    if peak > self.budget and fitted and shift < min(fitted)]
+                    if peak > self.budget and shift < least]
             if not over:
                 return
-            middle = (min(fitted) + max(over)) // 2
+            middle = (least + max(over)) // 2
             if middle in self.tried:
                 return
             try:
