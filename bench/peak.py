@@ -32,6 +32,7 @@ from __future__ import annotations
 import argparse
 import sys
 import time
+import traceback
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -212,14 +213,17 @@ def presets(model: LM) -> list[bool]:
 
 
 class _CompileTimer:
-    """Every XLA compile in a block, timed (planning's calibration and refinement)."""
+    """Every XLA compile in a block, timed (planning's calibration and refinement), with
+    the functions on its call stack, innermost first (what the compile was for)."""
 
     def __enter__(self) -> _CompileTimer:
         self.seconds: list[float] = []
+        self.callers: list[list[str]] = []
         self._original = jax.stages.Lowered.compile
         timer = self
 
         def compile(lowered, *a, **k):
+            timer.callers.append([f.name for f in reversed(traceback.extract_stack())])
             started = time.perf_counter()
             try:
                 return timer._original(lowered, *a, **k)

@@ -20,10 +20,10 @@ import json
 import subprocess
 import sys
 import time
-import traceback
 from collections import Counter
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 # The share of the no-remat peak each model is planned at (the issue's figure).
@@ -59,40 +59,27 @@ PHASES = {"barriers_kept": "schedule probe", "working_bytes_in_step": "step work
           "measured": "refinement"}
 
 
-def _phase() -> str:
-    for frame in reversed(traceback.extract_stack()):
-        if frame.name in PHASES:
-            return PHASES[frame.name]
-    return "other"
+def _phase(callers: list[str]) -> str:
+    return next((PHASES[name] for name in callers if name in PHASES), "other")
 
 
 def _plan(name: str, budget: int) -> dict:
-    import jax
+    from peak import _CompileTimer
 
     import optiremat
     from optiremat.solver.solution import InfeasibleBudgetError
 
     loss, args = _models()[name]()
-    original, seconds, phases = jax.stages.Lowered.compile, [], Counter()
-
-    def compile(lowered, *a, **k):
-        phases[_phase()] += 1
+    with _CompileTimer() as compiles:
         started = time.perf_counter()
         try:
-            return original(lowered, *a, **k)
-        finally:
-            seconds.append(time.perf_counter() - started)
-
-    jax.stages.Lowered.compile = compile  # type: ignore[method-assign]
-    started = time.perf_counter()
-    try:
-        optiremat.optimize(loss, *args, budget=budget)
-    except InfeasibleBudgetError as err:  # the parent plans the smallest, afresh
-        return {"smallest": err.min_budget_bytes}
-    finally:
-        jax.stages.Lowered.compile = original  # type: ignore[method-assign]
-    return {"seconds": time.perf_counter() - started, "budget": budget,
-            "compiles": len(seconds), "compile_seconds": sum(seconds), "phases": phases}
+            optiremat.optimize(loss, *args, budget=budget)
+        except InfeasibleBudgetError as err:  # the parent plans the smallest, afresh
+            return {"smallest": err.min_budget_bytes}
+        seconds = time.perf_counter() - started
+    return {"seconds": seconds, "budget": budget, "compiles": len(compiles.seconds),
+            "compile_seconds": sum(compiles.seconds),
+            "phases": Counter(_phase(callers) for callers in compiles.callers)}
 
 
 def _in_fresh_process(*argv: str) -> dict:
