@@ -60,7 +60,9 @@ def _rope(x: jax.Array) -> jax.Array:
     return jnp.concatenate([x1 * cos - x2 * sin, x1 * sin + x2 * cos], axis=-1)
 
 
-def llama_layer(heads: int, kv_heads: int) -> Callable[[jax.Array, Params], jax.Array]:
+def llama_layer(heads: int, kv_heads: int,
+                window: int | None = None) -> Callable[[jax.Array, Params], jax.Array]:
+    """A Llama layer; its attention sees the last ``window`` positions (None: all)."""
     def layer(h: jax.Array, p: Params) -> jax.Array:
         b, t, d = h.shape
         hd = d // heads
@@ -72,6 +74,8 @@ def llama_layer(heads: int, kv_heads: int) -> Callable[[jax.Array, Params], jax.
         v = jnp.repeat(v, heads // kv_heads, axis=2)
         scores = jnp.einsum("bthd,bshd->bhts", q, k).astype(jnp.float32) / np.sqrt(hd)
         causal = jnp.tril(jnp.ones((t, t), dtype=bool))
+        if window is not None:
+            causal = causal & jnp.triu(jnp.ones((t, t), dtype=bool), -window)
         scores = jnp.where(causal, scores, -1e9)
         attn = jax.nn.softmax(scores, axis=-1).astype(h.dtype)
         o = jnp.einsum("bhts,bshd->bthd", attn, v).reshape(b, t, d)

@@ -445,37 +445,14 @@ def penzai_llama(remat: Policy | None) -> Built:
 # ---- plain JAX: a decoder whose first and last blocks differ from the rest -----------
 
 
-def _windowed_layer(window: int | None, time_major: bool) -> Callable[..., jax.Array]:
-    """A Llama layer whose attention sees the last ``window`` positions (None: all of
-    them), reading its input time-major where ``time_major``."""
-    heads, kv_heads = _LLAMA["heads"], _LLAMA["kv_heads"]
-
-    def layer(h: jax.Array, p: dict[str, jax.Array]) -> jax.Array:
-        if time_major:
-            h = jnp.transpose(h, (1, 0, 2))
-        b, t, d = h.shape
-        hd = d // heads
-        x = _rmsnorm(h, p["attn_norm"])
-        q = (x @ p["wq"]).reshape(b, t, heads, hd)
-        k = jnp.repeat((x @ p["wk"]).reshape(b, t, kv_heads, hd), heads // kv_heads, axis=2)
-        v = jnp.repeat((x @ p["wv"]).reshape(b, t, kv_heads, hd), heads // kv_heads, axis=2)
-        scores = jnp.einsum("bthd,bshd->bhts", q, k) / np.sqrt(hd)
-        seen = jnp.tril(jnp.ones((t, t), dtype=bool))
-        if window is not None:
-            seen = seen & jnp.triu(jnp.ones((t, t), dtype=bool), -window)
-        attn = jax.nn.softmax(jnp.where(seen, scores, -1e9), axis=-1)
-        h = h + jnp.einsum("bhts,bshd->bthd", attn, v).reshape(b, t, d) @ p["wo"]
-        x = _rmsnorm(h, p["mlp_norm"])
-        return h + (jax.nn.silu(x @ p["w_gate"]) * (x @ p["w_up"])) @ p["w_down"]
-    return layer
-
-
 def first_last_llama(remat: Policy | None) -> Built:
     """Six Llama layers in a Python loop: the first and last attend globally, the first
     reading time-major embeddings; the four between attend within a window of 32."""
-    layers = _LLAMA["layers"]
-    first, middle, last = (_checkpointed(_windowed_layer(w, tm), remat)
-                           for w, tm in [(None, True), (32, False), (None, False)])
+    layers, heads, kv_heads = _LLAMA["layers"], _LLAMA["heads"], _LLAMA["kv_heads"]
+    unwindowed = llama_layer(heads, kv_heads)
+    first = _checkpointed(lambda h, p: unwindowed(jnp.transpose(h, (1, 0, 2)), p), remat)
+    middle = _checkpointed(llama_layer(heads, kv_heads, window=32), remat)
+    last = _checkpointed(unwindowed, remat)
 
     def loss(params: list[dict[str, jax.Array]], x: jax.Array) -> jax.Array:
         x = first(jnp.transpose(x, (1, 0, 2)), params[0])
