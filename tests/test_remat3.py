@@ -102,8 +102,10 @@ class Model:
 def _models() -> dict[str, Model]:
     lm, lm_args = lm_models.lm(layers=2, d=64, ffn=172, heads=4, kv_heads=2, vocab=512,
                                seq=32)
+    # At 0.8 of its peak the LM's plan saves only dots on jax 0.12.1; at 0.85 it saves
+    # 16-19 other values on 0.10.2, 0.12.0.1 and 0.12.1.
     return {"scan_stack": Model(stack, ARGS, ARGNUMS, 0.9),
-            "lm": Model(lm, lm_args, 0, 0.8)}
+            "lm": Model(lm, lm_args, 0, 0.85)}
 
 
 MODELS = _models()
