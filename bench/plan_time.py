@@ -20,7 +20,6 @@ import json
 import subprocess
 import sys
 import time
-from collections import Counter
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -79,7 +78,17 @@ def _plan(name: str, budget: int) -> dict:
         seconds = time.perf_counter() - started
     return {"seconds": seconds, "budget": budget, "compiles": len(compiles.seconds),
             "compile_seconds": sum(compiles.seconds),
-            "phases": Counter(_phase(callers) for callers in compiles.callers)}
+            "phases": _by_phase(compiles.callers, compiles.seconds)}
+
+
+def _by_phase(callers: list[list[str]], seconds: list[float]) -> dict[str, list[float]]:
+    """Per phase, its compiles and their seconds."""
+    phases: dict[str, list[float]] = {}
+    for phase_callers, took in zip(callers, seconds, strict=True):
+        counted = phases.setdefault(_phase(phase_callers), [0, 0.0])
+        counted[0] += 1
+        counted[1] += took
+    return phases
 
 
 def _in_fresh_process(*argv: str) -> dict:
@@ -103,6 +112,9 @@ def main() -> None:
     import jax
 
     names = ns.models or list(_models())
+    unknown = sorted(set(names) - set(_models()))
+    if unknown:
+        parser.error(f"unknown models {', '.join(unknown)}; known: {', '.join(_models())}")
     print(f"jax {jax.__version__}, {jax.devices()[0].device_kind}; each figure from a fresh "
           f"process; plans at {SHARE}x the no-remat peak")
     print(f"{'model':>24} | {'one compile':>11} | {'budget MiB':>10} | {'optimize':>8} | "
@@ -121,7 +133,7 @@ def main() -> None:
         print(f"{name:>24} | {step['seconds']:9.2f} s | {planned['budget'] / 2**20:10.2f} | "
               f"{planned['seconds']:6.2f} s | {compiles} | {ratios[name]:.2f}x{smallest}")
         print(f"{'':>24}   compiles for " + ", ".join(
-            f"{phase} {n}" for phase, n in planned["phases"].items()))
+            f"{phase} {n} ({took:.1f} s)" for phase, (n, took) in planned["phases"].items()))
     print(f"\n## time to plan over one compile: {min(ratios.values()):.2f}x .. "
           f"{max(ratios.values()):.2f}x; within 2x on {sum(r <= 2 for r in ratios.values())}/"
           f"{len(ratios)}")

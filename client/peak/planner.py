@@ -128,9 +128,14 @@ def plan_peak(fun: Callable, traced: Traced, args: Sequence, request: PlanReques
                              extracted.differentiated)
         raise InfeasibleBudgetError(err.budget_bytes, err.min_budget_bytes,
                                     f"No plan can lower the peak: {why}") from None
-    if measured(request) and solution.recompute_flops > 0:
+    if measured(request):
+        # Taken where it fits and recomputes less, or as little and peaks no higher: blocks
+        # saving everything, their barriers kept, measured 97.03 MiB on the corpus U-Net
+        # against 65.22 for its step as written.
         written = as_written_peak(fun, args, placement)
-        if written is not None and written <= budget_bytes:
+        if written is not None and written <= budget_bytes and (
+                solution.recompute_flops > 0 or solution.peak_bytes is None
+                or written <= solution.peak_bytes):
             return _plan(no_checkpoint(graph, solution, budget_bytes, written), "")
     note = ""
     if for_merged and solution.peak_bytes is not None:
