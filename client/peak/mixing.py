@@ -17,7 +17,9 @@ recomputes least as priced gives the last layers its saves. The mix is compiled
 and k moved by the measured peak per layer (a secant between mixes; the solver's
 price per layer until two are measured), up while a layer more fits, down while it
 does not, always strictly between the most layers measured to fit and the fewest measured
-not to: four compiles at most. The group that saves less goes first: the last
+not to: four compiles at most. Where the mix that fits gives every layer ``b``'s
+saves, that one-policy plan may leave room too, and the layers are mixed again from
+it with the compiles left. The group that saves less goes first: the last
 group's backward runs first, with every residual live (measured: 162.63 against
 178.42 MiB the other way round on that stack). Giving the last layers more saves
 can lower the peak (that backward's working set is smaller), and a group of one
@@ -75,7 +77,33 @@ def mixed_layers(graph: CostGraph, region: ScanRegion, answer: Solution, solve_a
                  measure: StepMeasure) -> Solution:
     """``answer`` (refined, within its budget) or, where it recomputes less and fits as
     measured, a plan giving the scan's last layers the saves of a plan that recomputes
-    less."""
+    less.
+
+    Where the mix that fits gives every layer the heavier plan's saves, that is a plan of
+    one policy the refinement's prices had kept out of reach, and it may leave room in
+    turn: the layers are mixed again from it, within the same compiles (on the 8-layer
+    stack of tests/test_layer_groups.py at 23 MiB, jax 0.10.2: every layer's heavier plan
+    measured 21.37 MiB and 3.50e8 FLOPs, while a mix from it fits 3.25e8)."""
+    best: Solution | None = None
+    lean, compiles = answer, MAX_MIX_COMPILES
+    while compiles > 0:
+        mixed, used = _mix_from(graph, region, lean, solve_at, measure, compiles)
+        compiles -= used
+        if mixed is None:
+            break
+        best = mixed
+        groups = mixed.layer_groups or []
+        if len(groups) != 1 or mixed.peak_bytes is None or mixed.peak_bytes >= mixed.budget_bytes:
+            break
+        lean = mixed.model_copy(update={"layer_groups": None})
+    return best if best is not None else answer
+
+
+def _mix_from(graph: CostGraph, region: ScanRegion, answer: Solution, solve_at: SolveAt,
+              measure: StepMeasure, compiles: int) -> tuple[Solution | None, int]:
+    """The mix from ``answer`` (``mixed_layers``) that recomputes least and fits as
+    measured, at most ``compiles`` mixes measured, and how many were; None where no mix
+    fits."""
     assert answer.peak_bytes is not None
     budget, length = answer.budget_bytes, region.length
     # The solver's price of ``answer`` is this much under what it measured; the heavier
@@ -83,13 +111,13 @@ def mixed_layers(graph: CostGraph, region: ScanRegion, answer: Solution, solve_a
     shift = answer.peak_bytes - BudgetView.of(graph, None).predicted(answer.kept())
     choice = _heavier(answer, solve_at, length, budget - answer.peak_bytes, shift)
     if choice is None:
-        return answer
+        return None, 0
     heavier, layers, predicted_slope = choice
     lean, heavy = frozenset(answer.saved_keys), frozenset(heavier.saved_keys)
     best: Solution | None = None
     measured: dict[int, int] = {}  # layers given the heavier saves -> the step's peak
     fits, over = 0, length + 1  # the most layers measured to fit, the fewest not to
-    for _ in range(MAX_MIX_COMPILES):
+    for _ in range(compiles):
         # A secant may overshoot on a peak that is not linear in k: keep k strictly
         # between what was measured to fit and what was not.
         layers = max(fits + 1, min(over - 1, layers))
@@ -109,7 +137,7 @@ def mixed_layers(graph: CostGraph, region: ScanRegion, answer: Solution, solve_a
         else:
             over = layers
             layers -= max(1, -int(-(peak - budget) // slope))
-    return best if best is not None else answer
+    return best, len(measured)
 
 
 def _slope(measured: dict[int, int], layers: int, length: int, predicted: float) -> float:
