@@ -145,6 +145,18 @@ def test_explain_names_the_groups_and_the_answer_round_trips(plans):
     assert written.policy().saved_keys == groups[0][1].saved_keys
 
 
+def test_a_larger_budget_is_not_answered_with_more_recompute(stack, plans):
+    """At 23 MiB on jax 0.10.2 the first mix that fits gives all eight layers a heavier
+    plan (21.37 MiB, 3.50e8 FLOPs: more than 22.5 MiB's mix recomputes); mixing again from
+    it fills the budget with fewer FLOPs than the smaller budget's answer."""
+    loss, args = stack
+    _, smaller = plans
+    larger = optiremat.optimize(loss, *args, budget=23 * MiB)
+    assert larger.recompute_flops <= smaller.recompute_flops
+    assert larger.verify(loss, *args, peak=True).measured_peak_bytes == larger.peak_bytes
+    assert larger.peak_bytes <= 23 * MiB
+
+
 def test_layer_groups_takes_a_bool(stack):
     loss, args = stack
     with pytest.raises(PlanError, match="layer_groups= takes True or False"):
