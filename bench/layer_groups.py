@@ -15,6 +15,9 @@ the budget, interleaved runs in one process, medians and spread.
 
 ``--accelerator`` plans a stack sized for one accelerator chip instead (bf16, D 1024,
 B 8, T 512; about 2 TFLOP a step), where a step takes long enough to time.
+``--sweep N`` plans the small stack of tests/test_layer_groups.py instead, at N budgets
+from its smallest plan to its no-remat peak, and counts the rises: a budget answered
+with more recompute than a smaller one.
 """
 
 from __future__ import annotations
@@ -116,6 +119,32 @@ def timed(steps: dict, args, rounds: int = 15) -> dict:
     return {name: (statistics.median(t), min(t), max(t)) for name, t in times.items()}
 
 
+def sweep(points: int) -> None:
+    """The small stack of tests/test_layer_groups.py at ``points`` budgets, one policy and
+    layer groups: measured peak, FLOPs, and the steps up where a larger budget recomputes
+    more."""
+    loss, args = llama(layers=8, d=128, ffn=344, heads=4, kv_heads=2, batch=2, seq=128)
+    top = optiremat.measured_peak(step_of(loss, args))
+    low = optiremat.min_feasible_budget(loss, *args)
+    print(f"\ntest stack (L 8, D 128, B 2, T 128): no remat {top / MiB:.2f} MiB, smallest "
+          f"plan {low / MiB:.2f} MiB")
+    print(f"{'budget':>9} | {'one policy':>22} | {'layer groups':>30}")
+    flops: dict[bool, list[int]] = {False: [], True: []}
+    for i in range(points):
+        budget = low + (top - low) * i // (points - 1)
+        one, one_peak, _, _ = plan_at(loss, args, budget, False)
+        mixed, mixed_peak, _, _ = plan_at(loss, args, budget, True)
+        flops[False].append(one.recompute_flops)
+        flops[True].append(mixed.recompute_flops)
+        groups = "+".join(str(n) for _, n, _ in mixed.layer_groups) or "1 group"
+        print(f"{budget / MiB:9.2f} | {one_peak / MiB:7.2f} MiB {one.recompute_flops:9.3g} | "
+              f"{mixed_peak / MiB:7.2f} MiB {100 * mixed_peak / budget:5.1f}% "
+              f"{mixed.recompute_flops:9.3g} {groups:>5}")
+    for apart, label in ((False, "one policy"), (True, "layer groups")):
+        rises = sum(b > a for a, b in zip(flops[apart], flops[apart][1:], strict=False))
+        print(f"## {label}: recompute rose on {rises} of {points - 1} steps up the budget")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true", help="the issue's stack only")
@@ -123,8 +152,15 @@ def main() -> None:
     parser.add_argument("--points", type=int, default=6, help="frontier budgets per model")
     parser.add_argument("--accelerator", action="store_true",
                         help="a stack sized for one accelerator chip, in place of the corpus")
+    parser.add_argument("--sweep", type=int, metavar="N",
+                        help="the test stack at N budgets, counting rises, in place of the rest")
     ns = parser.parse_args()
     print(f"jax {jax.__version__}, {jax.devices()[0].device_kind}")
+    if ns.sweep:
+        if ns.sweep < 2:
+            parser.error("--sweep takes 2 budgets or more")
+        sweep(ns.sweep)
+        return
     for name, (loss, args) in models(ns.quick, ns.accelerator):
         unplanned = step_of(loss, args)
         top, unplanned_flops = optiremat.measured_peak(unplanned), xla_flops(unplanned)
