@@ -38,7 +38,7 @@ from optiremat.client.peak.placement import Placement  # noqa: E402
 from optiremat.client.policy import KeyPolicy  # noqa: E402
 from tests.lm_models import CORPUS as LM_CORPUS  # noqa: E402
 from tests.peak_models import CORPUS as PEAK_CORPUS  # noqa: E402
-from tests.peak_models import llama  # noqa: E402
+from tests.peak_models import llama, small_llama  # noqa: E402
 
 MiB = 2**20
 BUILTINS = ("nothing_saveable", "dots_with_no_batch_dims_saveable", "dots_saveable")
@@ -123,7 +123,7 @@ def sweep(points: int) -> None:
     """The small stack of tests/test_layer_groups.py at ``points`` budgets, one policy and
     layer groups: measured peak, FLOPs, and the steps up where a larger budget recomputes
     more."""
-    loss, args = llama(layers=8, d=128, ffn=344, heads=4, kv_heads=2, batch=2, seq=128)
+    loss, args = small_llama()
     top = optiremat.measured_peak(step_of(loss, args))
     low = optiremat.min_feasible_budget(loss, *args)
     print(f"\ntest stack (L 8, D 128, B 2, T 128): no remat {top / MiB:.2f} MiB, smallest "

@@ -104,6 +104,12 @@ def llama(layers: int = 8, d: int = 256, ffn: int = 688, heads: int = 8, kv_head
 # ---- ViT encoder block: LayerNorm, full attention, GELU MLP ------------------------
 
 
+def small_llama() -> tuple[Callable, tuple]:
+    """The 8-layer stack tests/test_layer_groups.py plans apart (D 128, B 2, T 128), small
+    enough to plan in seconds; ``bench/layer_groups.py --sweep`` plans it too."""
+    return llama(layers=8, d=128, ffn=344, heads=4, kv_heads=2, batch=2, seq=128)
+
+
 def _layernorm(x: jax.Array, scale: jax.Array, bias: jax.Array) -> jax.Array:
     mu = jnp.mean(x, axis=-1, keepdims=True)
     var = jnp.mean(jnp.square(x - mu), axis=-1, keepdims=True)

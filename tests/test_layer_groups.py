@@ -14,7 +14,7 @@ from optiremat.client.peak.layer_groups import grouped_scan
 from optiremat.client.plan import PlanError
 from optiremat.client.planfile import PlanFile
 from optiremat.solver.solution import Solution
-from tests.peak_models import llama
+from tests.peak_models import small_llama
 
 POLICIES = jax.checkpoint_policies
 MiB = 2**20
@@ -93,7 +93,7 @@ def test_groups_copy_nothing():
 
 @pytest.fixture(scope="module")
 def stack():
-    return llama(layers=8, d=128, ffn=344, heads=4, kv_heads=2, batch=2, seq=128)
+    return small_llama()
 
 
 @pytest.fixture(scope="module")
