@@ -161,6 +161,8 @@ def main() -> None:
             parser.error("--sweep takes 2 budgets or more")
         sweep(ns.sweep)
         return
+    tally: dict[str, list[float]] = {"fill": [], "ratio": [], "xla": [], "time": []}
+    exact = within = 0
     for name, (loss, args) in models(ns.quick, ns.accelerator):
         unplanned = step_of(loss, args)
         top, unplanned_flops = optiremat.measured_peak(unplanned), xla_flops(unplanned)
@@ -185,11 +187,15 @@ def main() -> None:
             one_x = xla_flops(one_c) - unplanned_flops
             mixed_x = xla_flops_per_trip(loss, args, mixed, mixed_c) - unplanned_flops
             xla = mixed_x / one_x if one_x > 0 else 1.0
-            exact = "=" if mixed.peak_bytes == mixed_peak else "!="
+            same = "=" if mixed.peak_bytes == mixed_peak else "!="
+            exact, within = exact + (same == "="), within + (mixed_peak <= budget)
+            for key, value in (("fill", mixed_peak / budget), ("ratio", ratio), ("xla", xla),
+                               ("time", mixed_s / one_s)):
+                tally[key].append(value)
             print(f"{budget / MiB:9.2f} | {one_peak / MiB:7.2f} MiB {one.recompute_flops:9.3g} | "
                   f"{mixed_peak / MiB:7.2f} MiB {100 * mixed_peak / budget:5.1f}% "
                   f"{mixed.recompute_flops:9.3g} {groups:>5} | {ratio:6.3f} {xla:6.3f} "
-                  f"| {mixed_s / one_s:5.2f} (predicted {exact} measured)")
+                  f"| {mixed_s / one_s:5.2f} (predicted {same} measured)")
             if ns.time:
                 steps = {"layer groups": mixed_c, "one policy": one_c}
                 for builtin in BUILTINS:
@@ -200,6 +206,13 @@ def main() -> None:
                 steps = {k: v for k, v in steps.items() if k not in fitting[:-1]}
                 for label, (median, lo, hi) in timed(steps, args).items():
                     print(f"{'':9}   step time {label}: {median:.1f} ms ({lo:.1f}-{hi:.1f})")
+    count = len(tally["fill"])
+    print(f"\n## {count} midpoints: within budget {within}/{count}, predicted = measured "
+          f"{exact}/{count}, budget used >= 96% {sum(f >= 0.96 for f in tally['fill'])}/{count} "
+          f"(least {100 * min(tally['fill']):.1f}%), recompute <= one policy "
+          f"{sum(r <= 1 for r in tally['ratio'])}/{count} (XLA's count "
+          f"{sum(r <= 1 for r in tally['xla'])}/{count}, at most {max(tally['xla']):.3f}x), "
+          f"plan time {min(tally['time']):.2f}-{max(tally['time']):.2f}x one policy's")
 
 
 if __name__ == "__main__":
