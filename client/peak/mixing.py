@@ -17,9 +17,12 @@ recomputes least as priced gives the last layers its saves. The mix is compiled
 and k moved by the measured peak per layer (a secant between mixes; the solver's
 price per layer until two are measured), up while a layer more fits, down while it
 does not, always strictly between the most layers measured to fit and the fewest measured
-not to: four compiles at most. Where the mix that fits gives every layer ``b``'s
-saves, that one-policy plan may leave room too, and the layers are mixed again from
-it with the compiles left. The group that saves less goes first: the last
+not to: four compiles at most, the first spent on the last layer alone, which takes
+the saves of the plan recomputing least as a group of its own (on every stack
+measured its residuals cost no peak: below), so that a mix has three groups, (L - 1 - k,
+``a``), (k, ``b``), (1, that plan). Where the mix that fits gives every layer before the
+last ``b``'s saves, ``b`` may leave room too, and those layers are mixed again from it
+with the compiles left. The group that saves less goes first: the last
 group's backward runs first, with every residual live (measured: 162.63 against
 178.42 MiB the other way round on that stack). Giving the last layers more saves
 can lower the peak (that backward's working set is smaller), and a group of one
@@ -29,7 +32,7 @@ each mix is measured, never extrapolated from the one-policy plan.
 Its price is the step compiled, as refinement's (``StepMeasure.measured_split``): one
 to four compiles more than the one-policy plan. Only a step with one region, a scan
 running forward and not nested in groups, is mixed; the solver's graph keeps one
-decision per key, so FLOPs and residuals of the mix are the two plans' per-layer
+decision per key, so FLOPs and residuals of the mix are its plans' per-layer
 figures weighted by their layers (every free node of such a step is in its layers),
 each group hoisting its own loop-invariant residuals.
 """
@@ -38,6 +41,7 @@ from __future__ import annotations
 
 import warnings
 from collections.abc import Sequence
+from typing import NamedTuple
 
 from optiremat.client.peak.measures import StepMeasure
 from optiremat.client.peak.refine import SolveAt
@@ -73,72 +77,150 @@ def mixable(regions: Sequence[Region], answer: Solution, measure: object) -> boo
             and answer.peak_bytes is not None and answer.peak_bytes < answer.budget_bytes)
 
 
+class Mix(NamedTuple):
+    """A scan's layers in groups, each a count of layers and the plan whose saves they
+    take (first layers first), and the step's measured peak."""
+
+    parts: tuple[tuple[int, Solution], ...]
+    peak: int
+
+
 def mixed_layers(graph: CostGraph, region: ScanRegion, answer: Solution, solve_at: SolveAt,
                  measure: StepMeasure) -> Solution:
     """``answer`` (refined, within its budget) or, where it recomputes less and fits as
-    measured, a plan giving the scan's last layers the saves of a plan that recomputes
+    measured, a plan giving the scan's last layers the saves of plans that recompute
     less.
 
-    Where the mix that fits gives every layer the heavier plan's saves, that is a plan of
-    one policy the refinement's prices had kept out of reach, and it may leave room in
-    turn: the layers are mixed again from it, within the same compiles (on the 8-layer
-    stack of tests/test_layer_groups.py at 23 MiB, jax 0.10.2: every layer's heavier plan
-    measured 21.37 MiB and 3.50e8 FLOPs, more than 22.5 MiB's answer recomputes, 3.25e8; a
-    mix from it measures 22.91 MiB and 2.72e8)."""
-    best: Solution | None = None
-    lean, compiles = answer, MAX_MIX_COMPILES
+    The last layer first takes the saves of the plan that recomputes least, as a group of
+    its own: its residuals do not reach the peak (a loop of one trip is straight-line
+    code to XLA, and the last group's backward runs first), and on every stack measured
+    the step dipped below ``answer``'s peak (issue 39's stack at 172.46 MiB, jax 0.12.1:
+    152.34 MiB against 161.91, whichever of five plans the last layer took, where 6 + 2
+    layers measured 180.66). The layers before it are then mixed in the room that
+    leaves.
+
+    Where the mix that fits gives every layer (but a last one alone) the heavier plan's
+    saves, that is a plan the refinement's prices had kept out of reach, and it may leave
+    room in turn: the layers are mixed again from it, within the same compiles (before
+    the last layer went alone, on the 8-layer stack of tests/test_layer_groups.py at 23
+    MiB, jax 0.10.2: every layer's heavier plan measured 21.37 MiB and 3.50e8 FLOPs, more
+    than 22.5 MiB's answer recomputed; a mix from it, 22.91 MiB and 2.72e8)."""
+    budget, lean, compiles, base = answer.budget_bytes, answer, MAX_MIX_COMPILES, answer.peak_bytes
+    assert base is not None
+    best = _last_layer_alone(graph, region, answer, solve_at, measure)
+    tail: tuple[tuple[int, Solution], ...] = ()
+    if best is not None:
+        compiles -= 1
+        if best.peak <= budget:
+            tail, base = best.parts[-1:], best.peak
+        else:
+            best = None
     while compiles > 0:
-        mixed, used = _mix_from(graph, region, lean, solve_at, measure, compiles)
+        mix, used = _mix_from(graph, region, lean, tail, (base, budget), solve_at, measure,
+                              compiles)
         compiles -= used
-        if mixed is None:
+        if mix is None:
             break
-        best = mixed
-        groups = mixed.layer_groups or []
-        if len(groups) != 1 or mixed.peak_bytes is None or mixed.peak_bytes >= mixed.budget_bytes:
+        best = mix
+        head = mix.parts[:len(mix.parts) - len(tail)]
+        if mix.peak >= budget:
             break
-        lean = mixed.model_copy(update={"layer_groups": None})
-    return best if best is not None else answer
+        if len(head) == 1:
+            # Every layer (before the tail) took the heavier plan, mixed from in turn.
+            lean = head[0][1].model_copy(update={"peak_bytes": mix.peak})
+        elif len(head) == 2 and head[-1][0] == 1 and not tail:
+            lean, tail = head[0][1], head[-1:]
+        else:
+            break
+        base = mix.peak
+    return answer if best is None else _mixed(graph, budget, region, best)
 
 
-def _mix_from(graph: CostGraph, region: ScanRegion, answer: Solution, solve_at: SolveAt,
-              measure: StepMeasure, compiles: int) -> tuple[Solution | None, int]:
-    """The mix from ``answer`` (``mixed_layers``) that recomputes least and fits as
-    measured, at most ``compiles`` mixes measured, and how many were; None where no mix
-    fits."""
+def _last_layer_alone(graph: CostGraph, region: ScanRegion, answer: Solution,
+                      solve_at: SolveAt, measure: StepMeasure) -> Mix | None:
+    """The scan's layers but the last taking ``answer``'s saves, the last those of the
+    plan that recomputes least, as measured; None where no plan recomputes less than
+    ``answer`` or the step cannot be placed so."""
+    everything = BudgetView.of(graph, None).predicted([True] * graph.num_nodes)
+    try:
+        least = solve_at(everything)
+    except InfeasibleBudgetError:
+        return None
+    if least.recompute_flops >= answer.recompute_flops or least.groups not in (None, [1]):
+        return None
+    length = region.length
+    peak = _measured(measure, region, ((length - 1, frozenset(answer.saved_keys)),
+                                       (1, frozenset(least.saved_keys))))
+    return None if peak is None else Mix(((length - 1, answer), (1, least)), peak)
+
+
+def _mix_from(graph: CostGraph, region: ScanRegion, answer: Solution,
+              tail: tuple[tuple[int, Solution], ...], within: tuple[int, int],
+              solve_at: SolveAt, measure: StepMeasure, compiles: int) -> tuple[Mix | None, int]:
+    """The mix (``mixed_layers``) that recomputes least and fits the budget as measured,
+    its first layers taking ``answer``'s saves (``answer``'s measured peak one policy's)
+    and the last ``tail``'s groups as they are; ``within`` is the step's measured peak
+    with no layer taking the heavier saves, and the budget. At most ``compiles`` mixes
+    measured; how many were. None where no mix fits."""
     assert answer.peak_bytes is not None
-    budget, length = answer.budget_bytes, region.length
+    (base, budget), length = within, region.length
+    most = length - sum(layers for layers, _ in tail)
     # The solver's price of ``answer`` is this much under what it measured; the heavier
     # plans are taken to be too (each mix is measured before it is answered).
     shift = answer.peak_bytes - BudgetView.of(graph, None).predicted(answer.kept())
-    choice = _heavier(answer, solve_at, length, budget - answer.peak_bytes, shift)
+    # A group of one layer between others is straight-line code too, and measured far off
+    # the line (the issue's stack at 119.62 MiB, jax 0.12.1: 6 + 1 + 1 layers 138.04 MiB,
+    # 5 + 2 + 1 123.62): before a tail, the heavier group has two layers at least.
+    fewest = 2 if tail else 1
+    choice = _heavier(answer, solve_at, length, (fewest, most), budget - base, shift)
     if choice is None:
         return None, 0
     heavier, layers, predicted_slope = choice
     lean, heavy = frozenset(answer.saved_keys), frozenset(heavier.saved_keys)
-    best: Solution | None = None
+    tail_keys = tuple((n, frozenset(plan.saved_keys)) for n, plan in tail)
+    best: Mix | None = None
     measured: dict[int, int] = {}  # layers given the heavier saves -> the step's peak
-    fits, over = 0, length + 1  # the most layers measured to fit, the fewest not to
-    for _ in range(compiles):
+    fits, over = fewest - 1, most + 1  # the most layers measured to fit, the fewest not to
+    used, chosen_again = 0, False
+    while used < compiles:
         # A secant may overshoot on a peak that is not linear in k: keep k strictly
         # between what was measured to fit and what was not.
         layers = max(fits + 1, min(over - 1, layers))
         if layers >= over or layers in measured:
             break
-        peak = _measured(measure, region, ((length - layers, lean), (layers, heavy)))
+        peak = _measured(measure, region, ((most - layers, lean), (layers, heavy), *tail_keys))
+        used += 1
         if peak is None:
             break
         measured[layers] = peak
-        slope = _slope(measured, layers, length, predicted_slope)
+        slope = _slope(measured, layers, most, predicted_slope)
         if peak <= budget:
-            best, fits = _mixed(graph, answer, heavier, region, layers, peak), layers
+            parts = tuple((n, plan) for n, plan in ((most - layers, answer), (layers, heavier))
+                          if n)
+            best, fits = Mix(parts + tail, peak), layers
             more = int((budget - peak) // slope)
-            if more < 1:
+            if more < 1 or (layers == 1 and not tail):
+                # A last group of one layer is off the line (``_slope``): the layers
+                # before it are mixed apart from it (``mixed_layers``).
                 break
             layers += more
+        elif layers == fewest and best is None and not chosen_again:
+            # Even the fewest layers of this plan overshoot: its price per layer was low
+            # by the measured ratio. Choose again with the room scaled by it (on the
+            # issue's stack at 119.62 MiB, jax 0.12.1: priced 5.75 MiB a layer, measured
+            # 7.98).
+            ratio = (peak - base) / layers / predicted_slope
+            choice = _heavier(answer, solve_at, length, (fewest, most),
+                              int((budget - base) / ratio), shift) if ratio > 1 else None
+            if choice is None:
+                break
+            heavier, layers, predicted_slope = choice
+            heavy, predicted_slope = frozenset(heavier.saved_keys), predicted_slope * ratio
+            measured, fits, over, chosen_again = {}, fewest - 1, most + 1, True
         else:
             over = layers
             layers -= max(1, -int(-(peak - budget) // slope))
-    return best, len(measured)
+    return best, used
 
 
 def _slope(measured: dict[int, int], layers: int, length: int, predicted: float) -> float:
@@ -174,16 +256,18 @@ def _measured(measure: StepMeasure, region: ScanRegion,
         return None
 
 
-def _heavier(answer: Solution, solve_at: SolveAt, length: int, room: int,
-             shift: int) -> tuple[Solution, int, float] | None:
+def _heavier(answer: Solution, solve_at: SolveAt, length: int, counts: tuple[int, int],
+             room: int, shift: int) -> tuple[Solution, int, float] | None:
     """The plan whose saves the last layers take, how many of them, and its predicted
     peak per layer over ``answer``'s: of the plans the solver gives where k layers of it
-    would fit the ``room`` (k over a geometric series up to the scan's length), the one
-    whose mix recomputes least as priced."""
+    would fit the ``room`` (k over a geometric series within ``counts``, the fewest and
+    most layers of the scan's ``length`` it may take), the one whose mix recomputes least
+    as priced."""
+    fewest, most = counts
     assert answer.peak_bytes is not None
     best: tuple[float, Solution, int, float] | None = None
     seen: set[tuple[str, ...]] = set()
-    for k in _layer_counts(length):
+    for k in [k for k in _layer_counts(most) if k >= fewest]:
         try:
             heavier = solve_at(answer.peak_bytes + room * length // k - shift)
         except InfeasibleBudgetError:
@@ -197,8 +281,8 @@ def _heavier(answer: Solution, solve_at: SolveAt, length: int, room: int,
         per_layer = (heavier.peak_bytes + shift - answer.peak_bytes) / length
         if per_layer <= 0:
             continue
-        layers = min(length, int(room // per_layer))
-        if layers < 1:
+        layers = min(most, int(room // per_layer))
+        if layers < fewest:
             continue
         flops = answer.recompute_flops + layers * (
             heavier.recompute_flops - answer.recompute_flops) / length
@@ -217,15 +301,13 @@ def _layer_counts(length: int) -> list[int]:
     return sorted({c for c in [*counts, length] if c <= length})
 
 
-def _mixed(graph: CostGraph, lean: Solution, heavy: Solution, region: ScanRegion,
-           layers: int, peak: int) -> Solution:
-    """The plan giving the last ``layers`` of the scan ``heavy``'s saves and the others
-    ``lean``'s (every layer ``heavy``'s, placed as groups are, where ``layers`` is the
-    scan's length), whose step measured ``peak``."""
-    length = region.length
-    flops = lean.recompute_flops + (
-        heavy.recompute_flops - lean.recompute_flops) * layers // length
-    parts = [(n, plan) for n, plan in [(length - layers, lean), (layers, heavy)] if n]
+def _mixed(graph: CostGraph, budget: int, region: ScanRegion, mix: Mix) -> Solution:
+    """The plan giving the scan's layers the saves of ``mix``'s groups (every layer one
+    plan's, placed as groups are, where it has one group), whose step measured its peak."""
+    length, parts = region.length, mix.parts
+    first = parts[0][1]
+    flops = first.recompute_flops + sum(
+        (plan.recompute_flops - first.recompute_flops) * n for n, plan in parts) // length
     stacked = hoisted = 0
     others: set[int] = set()
     for n, plan in parts:
@@ -242,8 +324,8 @@ def _mixed(graph: CostGraph, lean: Solution, heavy: Solution, region: ScanRegion
               for n, plan in parts]
     # The record is the first group's plan (the one ``policy`` gives), with the mix's
     # figures written over it.
-    return parts[0][1].model_copy(update={
-        "budget_bytes": lean.budget_bytes, "status": SolveStatus.FEASIBLE,
+    return first.model_copy(update={
+        "budget_bytes": budget, "status": SolveStatus.FEASIBLE,
         "recompute_flops": flops, "residual_bytes": outside + hoisted + stacked // length,
-        "lower_bound_flops": 0, "gap": 1.0 if flops else 0.0, "peak_bytes": peak,
+        "lower_bound_flops": 0, "gap": 1.0 if flops else 0.0, "peak_bytes": mix.peak,
         "working_bytes": None, "layer_groups": groups})
