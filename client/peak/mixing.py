@@ -51,6 +51,7 @@ from optiremat.solver.breakdown import residual_parts
 from optiremat.solver.graph import CostGraph
 from optiremat.solver.peak import BudgetView
 from optiremat.solver.solution import InfeasibleBudgetError, LayerGroup, Solution, SolveStatus
+from optiremat.solver.solve import max_useful_budget
 
 # Compiles of mixes, at most.
 MAX_MIX_COMPILES = 4
@@ -107,14 +108,13 @@ def mixed_layers(graph: CostGraph, region: ScanRegion, answer: Solution, solve_a
     than 22.5 MiB's answer recomputed; a mix from it, 22.91 MiB and 2.72e8)."""
     budget, lean, compiles, base = answer.budget_bytes, answer, MAX_MIX_COMPILES, answer.peak_bytes
     assert base is not None
-    best = _last_layer_alone(graph, region, answer, solve_at, measure)
+    best: Mix | None = None
     tail: tuple[tuple[int, Solution], ...] = ()
-    if best is not None:
+    alone = _last_layer_alone(graph, region, answer, solve_at, measure)
+    if alone is not None:
         compiles -= 1
-        if best.peak <= budget:
-            tail, base = best.parts[-1:], best.peak
-        else:
-            best = None
+        if alone.peak <= budget:
+            best, tail, base = alone, alone.parts[-1:], alone.peak
     while compiles > 0:
         mix, used = _mix_from(graph, region, lean, tail, (base, budget), solve_at, measure,
                               compiles)
@@ -141,9 +141,8 @@ def _last_layer_alone(graph: CostGraph, region: ScanRegion, answer: Solution,
     """The scan's layers but the last taking ``answer``'s saves, the last those of the
     plan that recomputes least, as measured; None where no plan recomputes less than
     ``answer`` or the step cannot be placed so."""
-    everything = BudgetView.of(graph, None).predicted([True] * graph.num_nodes)
     try:
-        least = solve_at(everything)
+        least = solve_at(max_useful_budget(graph))
     except InfeasibleBudgetError:
         return None
     if least.recompute_flops >= answer.recompute_flops or least.groups not in (None, [1]):

@@ -32,10 +32,9 @@ from optiremat.client.schedule import (
 )
 from optiremat.client.step import lowered_peak
 from optiremat.solver.graph import CostGraph
-from optiremat.solver.peak import BudgetView
 from optiremat.solver.semantics import evaluate
 from optiremat.solver.solution import Decision, InfeasibleBudgetError, Solution, SolveStatus
-from optiremat.solver.solve import Solver
+from optiremat.solver.solve import Solver, max_useful_budget
 from optiremat.solver.step import RegionFound
 
 if TYPE_CHECKING:
@@ -112,7 +111,7 @@ def plan_peak(fun: Callable, traced: Traced, args: Sequence, request: PlanReques
         written = as_written_peak(fun, args, placement) if measured(request) else None
         if written is not None and written <= budget_bytes:
             # Any solve gives the record its solver and options: saving everything fits.
-            like = solve_at(BudgetView.of(graph, None).predicted([True] * graph.num_nodes))
+            like = solve_at(max_useful_budget(graph))
             return _plan(no_checkpoint(graph, like, budget_bytes, written), "")
         if written is not None:  # it is a plan too: the smallest budget is at most its peak
             err = InfeasibleBudgetError(err.budget_bytes, min(err.min_budget_bytes, written),
