@@ -113,6 +113,12 @@ def lowered_memory(lowered: jax.stages.Lowered,
     return analysis
 
 
+def forget_compiled_memory() -> None:
+    """Forget the memory of every program compiled so far (``lowered_memory``): for a
+    benchmark timing planning as a fresh process would."""
+    _PEAKS.clear()
+
+
 def lowered_peak(lowered: jax.stages.Lowered, keep_barriers: bool = False) -> int:
     """``measured_peak`` of ``lowered`` compiled, remembered as ``lowered_memory``."""
     return lowered_memory(lowered, keep_barriers).peak_bytes
