@@ -2,45 +2,40 @@
 
 One policy per ``lax.scan`` moves the peak in steps of L x a tensor: on the
 8-layer Llama of issue 39 a budget of 150 MiB was answered by a plan measuring
-138.69 MiB, the next step up measuring 159.47. With the layers in two groups
-(``client.peak.layer_groups``), k layers taking the heavier plan's saves and the
-rest the lighter's, the peak moves in steps of one layer's difference.
+138.69 MiB, the next step up measuring 159.47. With the layers in groups
+(``client.peak.layer_groups``), some taking the saves of plans that recompute
+less, the peak moves in steps of one layer's difference.
 
-Over the frontier of one-policy plans (per layer, residual bytes against
-recompute FLOPs) the best mix within a budget is, as in any such knapsack over
-counts, on the lower convex hull: two neighbouring plans, k layers of one and L - k
-of the other. So the mix keeps the refined answer (``a``: fits, leaves room r) for
-the first layers and, for k over 1, 2, 3, 4, 6, 8, ... up to L, asks the solver for
-the plan ``b`` that would fit if k layers took it (priced at ``a``'s measured peak
-+ rL/k, less ``a``'s shift between price and measurement); the ``b`` whose mix
-recomputes least as priced gives the last layers its saves. The mix is compiled
-and k moved by the measured peak per layer (a secant between mixes; the solver's
-price per layer until two are measured), up while a layer more fits, down while it
-does not, always strictly between the most layers measured to fit and the fewest measured
-not to: four compiles at most, the first spent on the last layer alone, which takes
-the saves of the plan recomputing least as a group of its own (on every stack
-measured its residuals cost no peak: below), so that a mix has three groups, (L - 1 - k,
-``a``), (k, ``b``), (1, that plan). Where the mix that fits gives every layer before the
-last ``b``'s saves, ``b`` may leave room too, and those layers are mixed again from it
-with the compiles left. The group that saves less goes first: the last
-group's backward runs first, with every residual live (measured: 162.63 against
-178.42 MiB the other way round on that stack). Giving the last layers more saves
-can lower the peak (that backward's working set is smaller), and a group of one
-layer is a loop XLA runs as straight-line code, off the line the other mixes make:
-each mix is measured, never extrapolated from the one-policy plan.
+A mix is one group of layers or two, each taking the saves of the refined answer
+``a`` or of a plan between it and the plan recomputing least, the leaner first
+(the last group's backward runs first, with every residual live: 162.63 against
+178.42 MiB the other way round on that stack), and mostly the scan's last layer
+alone saving what the plan recomputing least saves: (L - 1 - k, ``a``), (k,
+``b``), (1, least). The last layer's residuals cost no peak on a scan without a
+head (a loop of one trip is straight-line code to XLA, and its backward runs
+first); a group of one layer in front or between is off the line the others make,
+so it is not mixed.
 
-Its price is the step compiled, as refinement's (``StepMeasure.measured_split``): one
-to four compiles more than the one-policy plan. Only a step with one region, a scan
-running forward and not nested in groups, is mixed; the solver's graph keeps one
-decision per key, so FLOPs and residuals of the mix are its plans' per-layer
-figures weighted by their layers (every free node of such a step is in its layers),
-each group hoisting its own loop-invariant residuals.
+A mix's peak is a line in the residual bytes its layers stack, at a level learnt
+per plan of its last group (``_Line``): one mix measured puts every count of the
+same plans on it, to the byte on the stacks measured. Each round compiles the mix
+recomputing least that the line puts within the budget, over the plans the solver
+gives between ``a`` and the plan recomputing least (``_plans_between``), and
+learns its level; the next round chooses again, four compiles at most, one to
+three on the budgets of ``bench/layer_groups.py``. Refinement leaves its fill
+(``refine._Refinement._fill``) to the mix, which fills the budget finer.
+
+Only a step with one region, a scan running forward and not nested in groups, is
+mixed; the solver's graph keeps one decision per key, so FLOPs and residuals of
+the mix are its plans' per-layer figures weighted by their layers (every free node
+of such a step is in its layers), each group hoisting its own loop-invariant
+residuals.
 """
 
 from __future__ import annotations
 
 import warnings
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import NamedTuple
 
 from optiremat.client.peak.measures import StepMeasure
@@ -61,7 +56,9 @@ def with_layers_apart(graph: CostGraph, regions: Sequence[Region], answer: Solut
                       solve_at: SolveAt, measure: object) -> Solution:
     """``answer`` (refined) with its scan's layers planned apart where that recomputes
     less and fits as measured; ``answer`` itself where its step cannot take it
-    (``mixable``) or no mix does better."""
+    (``mixable``) or no mix does better. ``solve_at`` solves the step's graph with the
+    answer's options but nesting (a mix's plans checkpoint each layer): on the scan
+    corpus's ViT a solve choosing nesting took 0.29 s, six solves of one plan each."""
     if not mixable(regions, answer, measure):
         return answer
     (region,) = regions
@@ -78,167 +75,228 @@ def mixable(regions: Sequence[Region], answer: Solution, measure: object) -> boo
             and answer.peak_bytes is not None and answer.peak_bytes < answer.budget_bytes)
 
 
+def not_mixed(layer_groups: bool, regions: Sequence[Region],
+              measure: object) -> Callable[[Solution], bool]:
+    """Whether refinement should bisect for room (``refine._Refinement._fill``) under its
+    answer so far: not where the answer's layers are mixed next, which fills the budget
+    finer (``layer_groups``: they may be)."""
+    return lambda answer: not (layer_groups and mixable(regions, answer, measure))
+
+
+# A mix's groups: per group of consecutive layers, its count and the plan whose saves
+# it takes.
+Parts = tuple[tuple[int, Solution], ...]
+
+
 class Mix(NamedTuple):
     """A scan's layers in groups, each a count of layers and the plan whose saves they
     take (first layers first), and the step's measured peak."""
 
-    parts: tuple[tuple[int, Solution], ...]
+    parts: Parts
     peak: int
 
 
 def mixed_layers(graph: CostGraph, region: ScanRegion, answer: Solution, solve_at: SolveAt,
                  measure: StepMeasure) -> Solution:
     """``answer`` (refined, within its budget) or, where it recomputes less and fits as
-    measured, a plan giving the scan's last layers the saves of plans that recompute
-    less.
+    measured, a plan giving the scan's layers the saves of plans that recompute less: one
+    plan's or two plans' in groups (``_Line``), mostly the last layer alone taking those
+    of the plan recomputing least.
 
-    The last layer first takes the saves of the plan that recomputes least, as a group of
-    its own: its residuals do not reach the peak (a loop of one trip is straight-line
-    code to XLA, and the last group's backward runs first), and on every stack measured
-    the step dipped below ``answer``'s peak (issue 39's stack at 172.46 MiB, jax 0.12.1:
-    152.34 MiB against 161.91, whichever of five plans the last layer took, where 6 + 2
-    layers measured 180.66). The layers before it are then mixed in the room that
-    leaves.
-
-    Where the mix that fits gives every layer (but a last one alone) the heavier plan's
-    saves, that is a plan the refinement's prices had kept out of reach, and it may leave
-    room in turn: the layers are mixed again from it, within the same compiles (before
-    the last layer went alone, on the 8-layer stack of tests/test_layer_groups.py at 23
-    MiB, jax 0.10.2: every layer's heavier plan measured 21.37 MiB and 3.50e8 FLOPs, more
-    than 22.5 MiB's answer recomputed; a mix from it, 22.91 MiB and 2.72e8)."""
-    budget, lean, compiles, base = answer.budget_bytes, answer, MAX_MIX_COMPILES, answer.peak_bytes
-    assert base is not None
+    Each round compiles the mix recomputing least that the line puts within the budget,
+    over the plans the solver gives between ``answer`` and the plan recomputing least; its
+    measured peak sets the line's level for the mixes of its family and last plan, and
+    the next round chooses again, until the mix chosen was measured or none is left.
+    Where the next mix's last plan is one measured, it lands where the line says."""
+    least = _least(graph, answer, solve_at)
+    if least is None:
+        return answer
+    line = _Line(graph, region, answer, least)
+    budget = answer.budget_bytes
+    room = line.room(answer, budget)
+    plans = _plans_between(answer, solve_at, line, room)
     best: Mix | None = None
-    tail: tuple[tuple[int, Solution], ...] = ()
-    alone = _last_layer_alone(graph, region, answer, solve_at, measure)
-    if alone is not None:
-        compiles -= 1
-        if alone.peak <= budget:
-            best, tail, base = alone, alone.parts[-1:], alone.peak
-    while compiles > 0:
-        mix, used = _mix_from(graph, region, lean, tail, (base, budget), solve_at, measure,
-                              compiles)
-        compiles -= used
-        if mix is None:
+    measured: set[tuple[tuple[int, tuple[str, ...]], ...]] = set()
+    for _ in range(MAX_MIX_COMPILES):
+        choice = line.cheapest(plans, budget, best)
+        if choice is None:
             break
-        best = mix
-        head = mix.parts[:len(mix.parts) - len(tail)]
-        if mix.peak >= budget:
+        named = tuple((layers, tuple(plan.saved_keys)) for layers, plan in choice)
+        if named in measured:
             break
-        if len(head) == 1:
-            # Every layer (before the tail) took the heavier plan, mixed from in turn.
-            lean = head[0][1].model_copy(update={"peak_bytes": mix.peak})
-        elif len(head) == 2 and head[-1][0] == 1 and not tail:
-            lean, tail = head[0][1], head[-1:]
-        else:
+        measured.add(named)
+        peak = _measured(measure, region, tuple(
+            (layers, frozenset(plan.saved_keys)) for layers, plan in choice))
+        if peak is None:
             break
-        base = mix.peak
-    return answer if best is None else _mixed(graph, budget, region, best)
+        line.learn(choice, peak)
+        if peak <= budget:
+            best = Mix(choice, peak)
+        if line.room(answer, budget) > room:
+            # The level fell under its first guess: heavier plans than those solved for
+            # may fit.
+            room = line.room(answer, budget)
+            plans = _plans_between(answer, solve_at, line, room, plans)
+    return answer if best is None else _mixed(graph, answer, region, best)
 
 
-def _last_layer_alone(graph: CostGraph, region: ScanRegion, answer: Solution,
-                      solve_at: SolveAt, measure: StepMeasure) -> Mix | None:
-    """The scan's layers but the last taking ``answer``'s saves, the last those of the
-    plan that recomputes least, as measured; None where no plan recomputes less than
-    ``answer`` or the step cannot be placed so."""
+def _least(graph: CostGraph, answer: Solution, solve_at: SolveAt) -> Solution | None:
+    """The plan recomputing least (saving all it may), whose saves the last layer takes;
+    None where it recomputes no less than ``answer`` or is not a one-policy plan."""
     try:
         least = solve_at(max_useful_budget(graph))
     except InfeasibleBudgetError:
         return None
     if least.recompute_flops >= answer.recompute_flops or least.groups not in (None, [1]):
         return None
-    length = region.length
-    peak = _measured(measure, region, ((length - 1, frozenset(answer.saved_keys)),
-                                       (1, frozenset(least.saved_keys))))
-    return None if peak is None else Mix(((length - 1, answer), (1, least)), peak)
+    return least
 
 
-def _mix_from(graph: CostGraph, region: ScanRegion, answer: Solution,
-              tail: tuple[tuple[int, Solution], ...], within: tuple[int, int],
-              solve_at: SolveAt, measure: StepMeasure, compiles: int) -> tuple[Mix | None, int]:
-    """The mix (``mixed_layers``) that recomputes least and fits the budget as measured,
-    its first layers taking ``answer``'s saves (``answer``'s measured peak one policy's)
-    and the last ``tail``'s groups as they are; ``within`` is the step's measured peak
-    with no layer taking the heavier saves, and the budget. At most ``compiles`` mixes
-    measured; how many were. None where no mix fits."""
+class _Line:
+    """The peak of a mix as a line in the residuals its layers stack.
+
+    A mix is one group of layers or two, each taking one plan's saves, the leaner
+    first, then (the family most mixes take) the scan's last layer alone saving what the
+    plan recomputing least saves. A group of one layer in front or between is
+    straight-line code to XLA and measured off the line, so the groups before the last
+    layer have two layers at least.
+
+    With the last layer alone, the step peaks in its backward, which runs first with
+    every residual live: at a level plus the residual bytes the layers before it stack.
+    Measured on the issue's stack (jax 0.10.2, CPU) over 5 + 2 + 1 .. 2 + 5 + 1 and 7 + 1
+    layers, from two leaner plans and with three heavier ones, the level was one figure
+    to 32 KiB (93.28 MiB); on the scan corpus's ViT (12 layers) one figure to the byte
+    across 9 + 2 + 1 .. 2 + 9 + 1 with two heavier plans. It is one figure per plan of the
+    group before the last layer, though, where that group's own backward peaks higher
+    (102.88 MiB on the issue's stack for plans stacking under 4.6 MiB a layer) and on
+    jax 0.12.1 (81.44 MiB for one plan, 83.13 for a heavier one), so a level is kept per
+    that plan, one not yet measured taking the level of the plan measured nearest in
+    bytes.
+
+    Where the step's head peaks last, with every residual live (an LM's logits), the last
+    layer's saves cost what they stack (lm_V8k at 151.72 MiB: 7 + 1 154.46 MiB, over the
+    budget), and a mix without the last layer alone is on the one-policy plan's own line:
+    its measured peak less what its layers stack, to the byte (6 + 2 .. 4 + 4 layers,
+    107.83 MiB). Those mixes are the second family, their levels kept apart. Every mix
+    answered is measured."""
+
+    def __init__(self, graph: CostGraph, region: ScanRegion, answer: Solution,
+                 least: Solution) -> None:
+        assert answer.peak_bytes is not None
+        self.graph, self.region, self.least = graph, region, least
+        self.before_last = region.length - 1
+        self._stacked: dict[tuple[str, ...], int] = {}
+        # Per family (the last layer alone or not) and plan of the group before the last
+        # layer (the last group), the level measured.
+        self._levels: dict[tuple[bool, tuple[str, ...]], int] = {}
+        # Before a mix of a family is measured: ``answer``'s measured peak less every
+        # layer's residuals (the line of its own backward's phase; with the last layer
+        # alone, where its plan is before it on jax 0.10.2: 102.88 MiB on the issue's
+        # stack), and with the last layer alone where the step's head peaks (the phase
+        # outside the regions, as priced), what that layer stacks too (lm_V8k: 125.18 MiB
+        # against 119.50 measured).
+        first = answer.peak_bytes - self.region.length * self.stacked(answer)
+        phase = BudgetView.of(graph, None).peak_phase()
+        head_last = phase is not None and phase.region < 0
+        self._first = {False: first, True: first + (self.stacked(least) if head_last else 0)}
+
+    def stacked(self, plan: Solution) -> int:
+        """The residual bytes ``plan`` stacks per layer of the scan."""
+        keys = tuple(plan.saved_keys)
+        if keys not in self._stacked:
+            total, _, _ = residual_parts(self.graph, self.region.index, plan.kept())
+            self._stacked[keys] = total // self.region.length
+        return self._stacked[keys]
+
+    def level(self, plan: Solution, alone: bool) -> int:
+        """The level of mixes of the family ``alone`` (the last layer alone or not) whose
+        last group before it takes ``plan``'s saves: as measured, else as measured for the
+        plan of that family stacking nearest to it."""
+        key = (alone, tuple(plan.saved_keys))
+        if key in self._levels:
+            return self._levels[key]
+        stacked = self.stacked(plan)
+        family = [(abs(self._stacked[keys] - stacked), -level)
+                  for (measured_alone, keys), level in self._levels.items()
+                  if measured_alone == alone]
+        return -min(family)[1] if family else self._first[alone]
+
+    def room(self, plan: Solution, budget: int) -> int:
+        """What ``budget`` leaves over the mix giving every layer (before the last alone,
+        in that family) ``plan``'s saves, in the family leaving more."""
+        return budget - min(self.level(plan, True) + self.before_last * self.stacked(plan),
+                            self.level(plan, False) + self.region.length * self.stacked(plan))
+
+    def learn(self, parts: Parts, peak: int) -> None:
+        """The level of ``parts``'s family and last plan before the last layer alone (or
+        last plan), from the mix's peak."""
+        alone = parts[-1][0] == 1
+        lines = parts[:-1] if alone else parts
+        key = (alone, tuple(lines[-1][1].saved_keys))
+        level = peak - sum(n * self.stacked(plan) for n, plan in lines)
+        # Two mixes of one level can differ by a few KiB (16 KiB a layer on the test
+        # stack): the higher stands.
+        self._levels[key] = max(level, self._levels.get(key, level))
+
+    def cheapest(self, plans: Sequence[Solution], budget: int, best: Mix | None) -> Parts | None:
+        """Of the mixes from ``plans`` (leanest first), the one recomputing least that the
+        line puts within ``budget``, and under what ``best`` (measured) recomputes; None
+        where there is none."""
+        length, before = self.region.length, self.before_last
+        flops = [plan.recompute_flops / length for plan in plans]
+        stacked = [self.stacked(plan) for plan in plans]
+        levels = {alone: [self.level(plan, alone) for plan in plans] for alone in (True, False)}
+        least = self.least.recompute_flops / length
+        bound = _flops(best.parts, length) if best is not None else float("inf")
+        chosen: tuple[float, int, Parts] | None = None
+
+        def consider(cost: float, peak: int, parts: Parts) -> None:
+            nonlocal chosen
+            if peak <= budget and cost < bound and (chosen is None
+                                                    or (cost, peak) < chosen[:2]):
+                chosen = (cost, peak, parts)
+
+        tail = (1, self.least)
+        for i, lean in enumerate(plans):
+            consider(before * flops[i] + least, levels[True][i] + before * stacked[i],
+                     ((before, lean), tail))
+            for j in range(i + 1, len(plans)):
+                for k in range(2, before - 1):
+                    consider((before - k) * flops[i] + k * flops[j] + least,
+                             levels[True][j] + (before - k) * stacked[i] + k * stacked[j],
+                             ((before - k, lean), (k, plans[j]), tail))
+                for k in range(2, length - 1):
+                    consider((length - k) * flops[i] + k * flops[j],
+                             levels[False][j] + (length - k) * stacked[i] + k * stacked[j],
+                             ((length - k, lean), (k, plans[j])))
+        return None if chosen is None else chosen[2]
+
+
+def _flops(parts: Sequence[tuple[int, Solution]], length: int) -> float:
+    return sum(n * plan.recompute_flops for n, plan in parts) / length
+
+
+def _plans_between(answer: Solution, solve_at: SolveAt, line: _Line, room: int,
+                   known: Sequence[Solution] = ()) -> list[Solution]:
+    """``answer``, ``known`` and the plans the solver gives where k of the layers before
+    the last could take them in ``room`` (``_Line.room``; k over a geometric series),
+    leanest first: one-policy plans stacking more than ``answer`` and recomputing less."""
     assert answer.peak_bytes is not None
-    (base, budget), length = within, region.length
-    most = length - sum(layers for layers, _ in tail)
     # The solver's price of ``answer`` is this much under what it measured; the heavier
-    # plans are taken to be too (each mix is measured before it is answered).
-    shift = answer.peak_bytes - BudgetView.of(graph, None).predicted(answer.kept())
-    # A group of one layer between others is straight-line code too, and measured far off
-    # the line (the issue's stack at 119.62 MiB, jax 0.12.1: 6 + 1 + 1 layers 138.04 MiB,
-    # 5 + 2 + 1 123.62): before a tail, the heavier group has two layers at least.
-    fewest = 2 if tail else 1
-    choice = _heavier(answer, solve_at, length, (fewest, most), budget - base, shift)
-    if choice is None:
-        return None, 0
-    heavier, layers, predicted_slope = choice
-    lean, heavy = frozenset(answer.saved_keys), frozenset(heavier.saved_keys)
-    tail_keys = tuple((n, frozenset(plan.saved_keys)) for n, plan in tail)
-    best: Mix | None = None
-    measured: dict[int, int] = {}  # layers given the heavier saves -> the step's peak
-    fits, over = fewest - 1, most + 1  # the most layers measured to fit, the fewest not to
-    used, chosen_again = 0, False
-    while used < compiles:
-        # A secant may overshoot on a peak that is not linear in k: keep k strictly
-        # between what was measured to fit and what was not.
-        layers = max(fits + 1, min(over - 1, layers))
-        if layers >= over or layers in measured:
-            break
-        peak = _measured(measure, region, ((most - layers, lean), (layers, heavy), *tail_keys))
-        used += 1
-        if peak is None:
-            break
-        measured[layers] = peak
-        slope = _slope(measured, layers, most, predicted_slope)
-        if peak <= budget:
-            parts = tuple((n, plan) for n, plan in ((most - layers, answer), (layers, heavier))
-                          if n)
-            best, fits = Mix(parts + tail, peak), layers
-            more = int((budget - peak) // slope)
-            if more < 1 or (layers == 1 and not tail):
-                # A last group of one layer is off the line (``_slope``): the layers
-                # before it are mixed apart from it (``mixed_layers``).
-                break
-            layers += more
-        elif layers == fewest and best is None and not chosen_again:
-            # Even the fewest layers of this plan overshoot: its price per layer was low
-            # by the measured ratio. Choose again with the room scaled by it (on the
-            # issue's stack at 119.62 MiB, jax 0.12.1: priced 5.75 MiB a layer, measured
-            # 7.98).
-            ratio = (peak - base) / layers / predicted_slope
-            choice = _heavier(answer, solve_at, length, (fewest, most),
-                              int((budget - base) / ratio), shift) if ratio > 1 else None
-            if choice is None:
-                break
-            heavier, layers, predicted_slope = choice
-            heavy, predicted_slope = frozenset(heavier.saved_keys), predicted_slope * ratio
-            measured, fits, over, chosen_again = {}, fewest - 1, most + 1, True
-        else:
-            over = layers
-            layers -= max(1, -int(-(peak - budget) // slope))
-    return best, used
-
-
-def _slope(measured: dict[int, int], layers: int, length: int, predicted: float) -> float:
-    """The peak per layer given the heavier saves, from the mix measured nearest
-    ``layers``; the predicted one until two are measured (or where they disagree in
-    sign). Mixes with a group of one layer are not used: XLA runs a loop of one trip as
-    straight-line code, and it measured off the line the others make (on the issue's
-    stack, nothing_saveable then dots_saveable per layer: 110.92 MiB for 8 + 0 layers,
-    109.92 for 7 + 1, then +16.9 MiB a layer from 6 + 2 to 2 + 6, and 258.71 for 1 + 7)."""
-    def on_line(k: int) -> bool:
-        return 2 <= k <= length - 2
-
-    others = [k for k in measured if k != layers and on_line(k)]
-    if others and on_line(layers):
-        near = min(others, key=lambda k: abs(k - layers))
-        slope = (measured[layers] - measured[near]) / (layers - near)
-        if slope > 0:
-            return slope
-    return max(1.0, predicted)
+    # plans are taken to be too (the mix chosen is measured before it is answered).
+    shift = answer.peak_bytes - BudgetView.of(line.graph, None).predicted(answer.kept())
+    found = {tuple(p.saved_keys): p for p in (answer, *known)}
+    length = line.region.length
+    for k in _layer_counts(line.before_last):  # two layers at least (``_Line``)
+        try:
+            plan = solve_at(answer.peak_bytes + max(0, room) * length // k - shift)
+        except InfeasibleBudgetError:
+            continue
+        if (plan.planned and plan.recompute_flops < answer.recompute_flops
+                and plan.groups in (None, [1])
+                and line.stacked(plan) > line.stacked(answer)):
+            found.setdefault(tuple(plan.saved_keys), plan)
+    return sorted(found.values(), key=lambda p: -p.recompute_flops)
 
 
 def _measured(measure: StepMeasure, region: ScanRegion,
@@ -255,55 +313,20 @@ def _measured(measure: StepMeasure, region: ScanRegion,
         return None
 
 
-def _heavier(answer: Solution, solve_at: SolveAt, length: int, counts: tuple[int, int],
-             room: int, shift: int) -> tuple[Solution, int, float] | None:
-    """The plan whose saves the last layers take, how many of them, and its predicted
-    peak per layer over ``answer``'s: of the plans the solver gives where k layers of it
-    would fit the ``room`` (k over a geometric series within ``counts``, the fewest and
-    most layers of the scan's ``length`` it may take), the one whose mix recomputes least
-    as priced."""
-    fewest, most = counts
-    assert answer.peak_bytes is not None
-    best: tuple[float, Solution, int, float] | None = None
-    seen: set[tuple[str, ...]] = set()
-    for k in [k for k in _layer_counts(most) if k >= fewest]:
-        try:
-            heavier = solve_at(answer.peak_bytes + room * length // k - shift)
-        except InfeasibleBudgetError:
-            continue
-        keys = tuple(heavier.saved_keys)
-        if (not heavier.planned or heavier.peak_bytes is None or keys in seen
-                or heavier.recompute_flops >= answer.recompute_flops
-                or heavier.groups not in (None, [1])):
-            continue
-        seen.add(keys)
-        per_layer = (heavier.peak_bytes + shift - answer.peak_bytes) / length
-        if per_layer <= 0:
-            continue
-        layers = min(most, int(room // per_layer))
-        if layers < fewest:
-            continue
-        flops = answer.recompute_flops + layers * (
-            heavier.recompute_flops - answer.recompute_flops) / length
-        if best is None or flops < best[0]:
-            best = (flops, heavier, layers, per_layer)
-    return None if best is None else best[1:]
-
-
 def _layer_counts(length: int) -> list[int]:
-    """1, 2, 3, 4, 6, 8, 12, 16, ... up to the scan's length: how many layers a heavier
-    plan may be given."""
-    counts, k = [1, 2, 3], 4
+    """2, 3, 4, 6, 8, 12, 16, ... up to ``length``: how many layers a heavier plan may be
+    given."""
+    counts, k = [2, 3], 4
     while k < length:
         counts += [k, k * 3 // 2]
         k *= 2
     return sorted({c for c in [*counts, length] if c <= length})
 
 
-def _mixed(graph: CostGraph, budget: int, region: ScanRegion, mix: Mix) -> Solution:
-    """The plan giving the scan's layers the saves of ``mix``'s groups (every layer one
-    plan's, placed as groups are, where it has one group), whose step measured its peak."""
-    length, parts = region.length, mix.parts
+def _mixed(graph: CostGraph, answer: Solution, region: ScanRegion, mix: Mix) -> Solution:
+    """The plan giving the scan's layers the saves of ``mix``'s groups, whose step
+    measured its peak, for ``answer``'s budget and options."""
+    length, parts, budget = region.length, mix.parts, answer.budget_bytes
     first = parts[0][1]
     flops = first.recompute_flops + sum(
         (plan.recompute_flops - first.recompute_flops) * n for n, plan in parts) // length
@@ -324,7 +347,7 @@ def _mixed(graph: CostGraph, budget: int, region: ScanRegion, mix: Mix) -> Solut
     # The record is the first group's plan (the one ``policy`` gives), with the mix's
     # figures written over it.
     return first.model_copy(update={
-        "budget_bytes": budget, "status": SolveStatus.FEASIBLE,
+        "budget_bytes": budget, "options": answer.options, "status": SolveStatus.FEASIBLE,
         "recompute_flops": flops, "residual_bytes": outside + hoisted + stacked // length,
         "lower_bound_flops": 0, "gap": 1.0 if flops else 0.0, "peak_bytes": mix.peak,
         "working_bytes": None, "layer_groups": groups})

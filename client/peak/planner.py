@@ -17,7 +17,7 @@ from optiremat.client.extract import Traced
 from optiremat.client.frameworks import preset_saves
 from optiremat.client.peak.finding import why_no_regions
 from optiremat.client.peak.measures import step_measure
-from optiremat.client.peak.mixing import with_layers_apart
+from optiremat.client.peak.mixing import not_mixed, with_layers_apart
 from optiremat.client.peak.placement import Placement, keeps_barriers, measured_with_barriers
 from optiremat.client.peak.refine import refined_solve, smallest_budget
 from optiremat.client.peak.regions import Region
@@ -89,6 +89,10 @@ def plan_peak(fun: Callable, traced: Traced, args: Sequence, request: PlanReques
     def solve_at(budget: int) -> Solution:
         return solve_fn(graph, budget, options)
 
+    def solve_unnested(budget: int) -> Solution:
+        # A mix's plans are one checkpoint per layer: their solves choose no nesting.
+        return solve_fn(graph, budget, options.model_copy(update={"nest": False}))
+
     # A names-only plan is never worse than its framework's presets (or the built-ins).
     presets = list(preset_saves(graph, extracted.extraction.key_aliases,
                                 extracted.extraction.names_by_key, request.saveable).values())
@@ -102,9 +106,10 @@ def plan_peak(fun: Callable, traced: Traced, args: Sequence, request: PlanReques
         if measured(request):
             measure = step_measure(fun, args, extracted, placement,
                                    measured_with_barriers(regions, request.schedule))
-            solution = refined_solve(graph, regions, budget_bytes, solve_at, measure, presets)
+            solution = refined_solve(graph, regions, budget_bytes, solve_at, measure, presets,
+                                     fill=not_mixed(request.layer_groups, regions, measure))
             if request.layer_groups:
-                solution = with_layers_apart(graph, regions, solution, solve_at, measure)
+                solution = with_layers_apart(graph, regions, solution, solve_unnested, measure)
         else:
             solution = solve_at(budget_bytes)
     except InfeasibleBudgetError as err:

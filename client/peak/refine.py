@@ -72,19 +72,23 @@ SolveAt = Callable[[int], Solution]
 
 def refined_solve(graph: CostGraph, regions: Sequence[Region], budget: int,
                   solve_at: SolveAt, measure: PeakMeasure | None = None,
-                  presets: Sequence[Sequence[bool]] = ()) -> Solution:
+                  presets: Sequence[Sequence[bool]] = (),
+                  fill: bool | Callable[[Solution], bool] = True) -> Solution:
     """The plan for ``budget`` whose peak, measured, fits.
 
     ``solve_at(b)`` solves ``graph`` (a step's) at budget ``b``, which assumes the
     step's calibrated working sets; ``measure`` says what a plan's peak is (by default
     its regions' layers compiled, ``LayerMeasure``). ``presets`` are plans the answer is
     never worse than where they fit as measured, each measured (a framework's presets: a
-    names-only plan is compared with them, ``client.frameworks``). Raises
+    names-only plan is compared with them, ``client.frameworks``). ``fill``: bisect where
+    the answer leaves room (``_Refinement._fill``), or whether to, asked of the answer
+    before: a plan whose layers are mixed next (``client.peak.mixing``) leaves that to
+    the mix, which fills it finer. Raises
     InfeasibleBudgetError when no plan fits, naming the smallest budget refinement plans
     (``smallest_budget``).
     """
     measure = LayerMeasure(graph, regions) if measure is None else measure
-    answer = _Refinement(graph, budget, solve_at, measure, presets).run()
+    answer = _Refinement(graph, budget, solve_at, measure, presets).run(fill)
     if answer is not None:
         return answer
     least, found = _smallest_answer(graph, solve_at, measure, presets)
@@ -153,8 +157,9 @@ class _Refinement:
         self.solved: Solution | None = None  # the last solve's plan: its solver and options
         self.unplanned: Solution | None = None  # an answer without a plan (time limit, cancel)
 
-    def run(self) -> Solution | None:
-        """The best plan that fits as measured; None when none does."""
+    def run(self, fill: bool | Callable[[Solution], bool] = True) -> Solution | None:
+        """The best plan that fits as measured; None when none does. ``fill``: bisect
+        where it leaves room (``_fill``), or whether to, asked of the best plan before."""
         try:
             first = self._attempt(0)
         except InfeasibleBudgetError as err:
@@ -169,7 +174,8 @@ class _Refinement:
         # Each answer's peak was priced ``delta`` under what it holds: solve again there.
         self._chase(first[1], MAX_ROUNDS - 1, lambda answer, delta, shift: delta)
         self._builtins()
-        self._fill()
+        if fill is True or (callable(fill) and self.best is not None and fill(self.best)):
+            self._fill()
         return self.best if self.best is not None else self._smallest()
 
     def _attempt(self, shift: int) -> tuple[Solution, int] | None:
