@@ -132,11 +132,10 @@ def mixed_layers(graph: CostGraph, region: ScanRegion, answer: Solution, solve_a
         line.learn(choice, peak)
         if peak <= budget:
             best = Mix(choice, peak)
-        if line.room(answer, budget) > room:
+        if (now := line.room(answer, budget)) > room:
             # The level fell under its first guess: heavier plans than those solved for
             # may fit.
-            room = line.room(answer, budget)
-            plans = _plans_between(answer, solve_at, line, room, plans)
+            room, plans = now, _plans_between(answer, solve_at, line, now, plans)
     return answer if best is None else _mixed(graph, answer, region, best)
 
 

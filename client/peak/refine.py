@@ -73,17 +73,17 @@ SolveAt = Callable[[int], Solution]
 def refined_solve(graph: CostGraph, regions: Sequence[Region], budget: int,
                   solve_at: SolveAt, measure: PeakMeasure | None = None,
                   presets: Sequence[Sequence[bool]] = (),
-                  fill: bool | Callable[[Solution], bool] = True) -> Solution:
+                  fill: Callable[[Solution], bool] | None = None) -> Solution:
     """The plan for ``budget`` whose peak, measured, fits.
 
     ``solve_at(b)`` solves ``graph`` (a step's) at budget ``b``, which assumes the
     step's calibrated working sets; ``measure`` says what a plan's peak is (by default
     its regions' layers compiled, ``LayerMeasure``). ``presets`` are plans the answer is
     never worse than where they fit as measured, each measured (a framework's presets: a
-    names-only plan is compared with them, ``client.frameworks``). ``fill``: bisect where
-    the answer leaves room (``_Refinement._fill``), or whether to, asked of the answer
-    before: a plan whose layers are mixed next (``client.peak.mixing``) leaves that to
-    the mix, which fills it finer. Raises
+    names-only plan is compared with them, ``client.frameworks``). ``fill``: whether to
+    bisect where the answer leaves room (``_Refinement._fill``), asked of the answer
+    before (by default, always): a plan whose layers are mixed next
+    (``client.peak.mixing``) leaves that to the mix, which fills it finer. Raises
     InfeasibleBudgetError when no plan fits, naming the smallest budget refinement plans
     (``smallest_budget``).
     """
@@ -157,9 +157,10 @@ class _Refinement:
         self.solved: Solution | None = None  # the last solve's plan: its solver and options
         self.unplanned: Solution | None = None  # an answer without a plan (time limit, cancel)
 
-    def run(self, fill: bool | Callable[[Solution], bool] = True) -> Solution | None:
-        """The best plan that fits as measured; None when none does. ``fill``: bisect
-        where it leaves room (``_fill``), or whether to, asked of the best plan before."""
+    def run(self, fill: Callable[[Solution], bool] | None = None) -> Solution | None:
+        """The best plan that fits as measured; None when none does. ``fill``: whether to
+        bisect where it leaves room (``_fill``), asked of the best plan before (by
+        default, always)."""
         try:
             first = self._attempt(0)
         except InfeasibleBudgetError as err:
@@ -174,7 +175,7 @@ class _Refinement:
         # Each answer's peak was priced ``delta`` under what it holds: solve again there.
         self._chase(first[1], MAX_ROUNDS - 1, lambda answer, delta, shift: delta)
         self._builtins()
-        if fill is True or (callable(fill) and self.best is not None and fill(self.best)):
+        if fill is None or (self.best is not None and fill(self.best)):
             self._fill()
         return self.best if self.best is not None else self._smallest()
 
