@@ -75,10 +75,12 @@ def step_of(fun, args):
     return jax.jit(jax.grad(fun)).lower(*args).compile()
 
 
-def xla_flops(compiled) -> float:
+def xla_flops(compiled, kind: str = "flops") -> float:
+    """XLA's ``cost_analysis()`` of a step: its FLOPs, or another count it keeps
+    ("bytes accessed", "transcendentals"); a loop's body counted once."""
     analysis = compiled.cost_analysis()
     analysis = analysis[0] if isinstance(analysis, list) else analysis
-    return float(analysis.get("flops", 0.0))
+    return float(analysis.get(kind, 0.0))
 
 
 def xla_flops_per_trip(loss, args, plan, compiled) -> float:

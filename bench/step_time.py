@@ -5,7 +5,8 @@ every layer, each one's measured peak (XLA's ``memory_analysis()``); then, at ea
 built-in's measured peak as the budget, the plan for it. Every step is timed in one
 process, interleaved runs, median and spread in ms, beside its recompute FLOPs by
 XLA's count (the step's FLOPs beyond the unplanned step's, per loop trip) and by
-the project's rule (for built-ins, on the plan's graph).
+the project's rule (for built-ins, on the plan's graph), and XLA's bytes accessed and
+transcendentals (a loop's body once), where time follows memory traffic, not FLOPs.
 
     .venv/bin/python bench/step_time.py [--accelerator] [--rounds N]
 """
@@ -64,12 +65,14 @@ def main() -> None:
                        xla_flops_per_trip(loss, args, plan, compiled) - base)
     times = timed(steps, args, rounds=ns.rounds)
     print(f"\n{name}\n{'step':>42} | {'peak MiB':>9} | {'recompute (ours, XLA/trip)':>26} | "
-          "step ms median (min-max)")
+          "GB accessed | transcendentals | step ms median (min-max)")
     for label, (peak, ours, xla) in rows.items():
         median, lo, hi = times[label]
         ours_text = f"{ours:.3g}" if ours is not None else "-"
+        accessed = xla_flops(steps[label], "bytes accessed") / 1e9
+        exps = xla_flops(steps[label], "transcendentals")
         print(f"{label:>42} | {peak / MiB:9.2f} | {ours_text:>12} {xla:13.3g} | "
-              f"{median:.2f} ({lo:.2f}-{hi:.2f})")
+              f"{accessed:11.2f} | {exps:15.3g} | {median:.2f} ({lo:.2f}-{hi:.2f})")
 
 
 if __name__ == "__main__":
