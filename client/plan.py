@@ -35,7 +35,7 @@ from optiremat.client.measure import backward_flops, saved_residuals
 from optiremat.client.names import tag_every_value
 from optiremat.client.peak.placement import Placement, measured_with_barriers
 from optiremat.client.policy import KeyPolicy, warn_under_remat3
-from optiremat.client.step import lowered_peak
+from optiremat.client.step import host_buffers_apart, lowered_peak
 from optiremat.client.verification import Verification
 from optiremat.solver.errors import OptirematError
 from optiremat.solver.graph import CostGraph
@@ -344,7 +344,7 @@ class PeakPlan(Plan):
 
         residuals = saved_residuals(of_differentiated, *[args[i] for i in chosen])
         measured_peak_bytes = None
-        if peak and self.host_bytes and jax.default_backend() == "cpu":
+        if peak and self.host_bytes and not host_buffers_apart():
             # Its device peak would read as met or missed by bytes that are on the host.
             raise PlanError("the device peak of a plan that offloads cannot be measured on "
                             "CPU: XLA's CPU memory analysis counts pinned_host buffers as "

@@ -89,6 +89,13 @@ def measured_peak(compiled: jax.stages.Compiled) -> int:
     return StepMemoryAnalysis.of(compiled).peak_bytes
 
 
+def host_buffers_apart() -> bool:
+    """Whether the default backend's memory analysis keeps ``pinned_host`` buffers apart
+    from device ones, so that a plan offloading residuals has a device peak to measure:
+    not CPU's, which counts them as device buffers (a GPU's and a TPU's do)."""
+    return jax.default_backend() != "cpu"
+
+
 # Memory of programs compiled in this process, by program text: planning compiles the step
 # under the plan it answers, and ``verify(peak=True)``, a second ``optimize`` of the same
 # function or a frontier's neighbouring budgets compile the same program again.

@@ -74,16 +74,17 @@ class LayerMeasure:
 
 @dataclass
 class StepMeasure:
-    """A plan's whole training step compiled (``peak_of(keys, groups)``, XLA's peak of
-    the jitted step with the plan applied): exact in every phase, the head's included,
-    and what ``optimize`` refines against. Each plan is compiled once."""
+    """A plan's whole training step compiled (``peak_of(keys, groups, offloaded)``, XLA's
+    peak of the jitted step with the plan applied): exact in every phase, the head's
+    included, and what ``optimize`` refines against. Each plan is compiled once."""
 
     graph: CostGraph
-    peak_of: Callable[[frozenset[str], tuple[int, ...] | None], int]
+    # (saved keys, groups, offloaded keys) -> XLA's peak of the step under that plan
+    peak_of: Callable[[frozenset[str], tuple[int, ...] | None, frozenset[str]], int]
     # The peak of the step whose one scan region has its layers planned apart
     # (``client.peak.mixing``): per group in program order, (layers, saved keys).
     split_peak_of: Callable[[LayerSplit], int] | None = None
-    _peaks: dict[tuple[frozenset[str], tuple[int, ...] | None], int] = field(
+    _peaks: dict[tuple[frozenset[str], tuple[int, ...] | None, frozenset[str]], int] = field(
         default_factory=dict)
     _split_peaks: dict[LayerSplit, int] = field(default_factory=dict)
 
@@ -94,9 +95,13 @@ class StepMeasure:
             self._split_peaks[split] = self.split_peak_of(split)
         return self._split_peaks[split]
 
-    def measured(self, keys: frozenset[str], groups: Sequence[int] | None) -> int:
-        """XLA's peak of the step saving the policy keys ``keys`` in ``groups``."""
-        key = (keys, None if groups is None or all(k == 1 for k in groups) else tuple(groups))
+    def measured(self, keys: frozenset[str], groups: Sequence[int] | None,
+                 offloaded: frozenset[str] = frozenset()) -> int:
+        """XLA's peak of the step saving the policy keys ``keys`` in ``groups`` (and
+        offloading ``offloaded`` to host memory: its device peak, where the backend's
+        analysis keeps host buffers apart, ``client.step.host_buffers_apart``)."""
+        key = (keys, None if groups is None or all(k == 1 for k in groups) else tuple(groups),
+               offloaded)
         if key not in self._peaks:
             self._peaks[key] = self.peak_of(*key)
         return self._peaks[key]
@@ -142,9 +147,11 @@ def step_measure(fun: Callable, args: Sequence, extracted: StepExtraction,
 
         return lowered_peak(placement.step.function(applied).lower(*args), keep_barriers)
 
-    def peak_of(keys: frozenset[str], groups: tuple[int, ...] | None) -> int:
+    def peak_of(keys: frozenset[str], groups: tuple[int, ...] | None,
+                offloaded: frozenset[str]) -> int:
+        policy = KeyPolicy(expanded(keys), expanded(offloaded))
         return compiled_peak(lambda leaves: placement.evaluate(
-            extracted.traced, leaves, KeyPolicy(expanded(keys)), groups))
+            extracted.traced, leaves, policy, groups))
 
     def split_peak_of(split: LayerSplit) -> int:
         (region,) = placement.regions

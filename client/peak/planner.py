@@ -18,6 +18,7 @@ from optiremat.client.frameworks import preset_saves
 from optiremat.client.peak.finding import why_no_regions
 from optiremat.client.peak.measures import step_measure
 from optiremat.client.peak.mixing import not_mixed, with_layers_apart
+from optiremat.client.peak.offload_fit import fitted_offload
 from optiremat.client.peak.placement import Placement, keeps_barriers, measured_with_barriers
 from optiremat.client.peak.refine import refined_solve, smallest_budget
 from optiremat.client.peak.regions import Region
@@ -30,7 +31,7 @@ from optiremat.client.schedule import (
     merged_schedule_note,
     schedule_advice,
 )
-from optiremat.client.step import lowered_peak
+from optiremat.client.step import host_buffers_apart, lowered_peak
 from optiremat.solver.graph import CostGraph
 from optiremat.solver.semantics import evaluate
 from optiremat.solver.solution import Decision, InfeasibleBudgetError, Solution, SolveStatus
@@ -61,9 +62,16 @@ def merges_blocks(regions: Sequence[Region]) -> bool:
 
 
 def measured(request: PlanRequest) -> bool:
-    """Whether the plan is refined against its step compiled (offload plans are not: on
-    CPU, XLA's memory analysis counts host buffers as device ones)."""
+    """Whether the plan is refined against its step compiled (offload plans are fitted
+    apart, ``offload_measured``)."""
     return request.refine and not request.offload
+
+
+def offload_measured(request: PlanRequest) -> bool:
+    """Whether the offload plan is fitted to its step's measured device peak
+    (``client.peak.offload_fit``): not on CPU, whose memory analysis counts host buffers
+    as device ones."""
+    return request.refine and bool(request.offload) and host_buffers_apart()
 
 
 def plan_peak(fun: Callable, traced: Traced, args: Sequence, request: PlanRequest,
@@ -110,6 +118,11 @@ def plan_peak(fun: Callable, traced: Traced, args: Sequence, request: PlanReques
                                      fill=not_mixed(request.layer_groups, regions, measure))
             if request.layer_groups:
                 solution = with_layers_apart(graph, regions, solution, solve_unnested, measure)
+        elif offload_measured(request):
+            measure = step_measure(fun, args, extracted, placement,
+                                   measured_with_barriers(regions, request.schedule))
+            solution = fitted_offload(budget_bytes, solve_at, lambda plan: measure.measured(
+                frozenset(plan.saved_keys), plan.groups, frozenset(plan.offloaded_keys)))
         else:
             solution = solve_at(budget_bytes)
     except InfeasibleBudgetError as err:
