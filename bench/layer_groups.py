@@ -62,6 +62,13 @@ def models(quick: bool, accelerator: bool):
                 yield lm.name, lm.build()
 
 
+def stack_options(parser: argparse.ArgumentParser) -> None:
+    """The options of the benches that time one stack's steps (``one_stack``)."""
+    parser.add_argument("--accelerator", action="store_true",
+                        help="a stack sized for one accelerator chip (bf16, D 1024)")
+    parser.add_argument("--rounds", type=int, default=15, help="timed runs of each step")
+
+
 def one_stack(accelerator: bool):
     """The issue's stack (or the accelerator's), after a line naming the device: its name,
     loss, arguments, unplanned step and XLA's FLOPs of that step."""

@@ -27,7 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
-from layer_groups import MiB, one_stack, step_of, timed  # noqa: E402
+from layer_groups import MiB, one_stack, stack_options, step_of, timed  # noqa: E402
 
 import optiremat  # noqa: E402
 from optiremat.solver.offload import OffloadOptions  # noqa: E402
@@ -68,9 +68,7 @@ def _two_figures(rate: float) -> int:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--accelerator", action="store_true",
-                        help="a stack sized for one accelerator chip (bf16, D 1024)")
-    parser.add_argument("--rounds", type=int, default=15, help="timed runs of each step")
+    stack_options(parser)
     ns = parser.parse_args()
     name, loss, args, unplanned, _ = one_stack(ns.accelerator)
     offload = measured_rates(8192 if ns.accelerator else 1024)

@@ -19,7 +19,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from layer_groups import MiB, one_stack, step_of, timed, xla_flops  # noqa: E402
+from layer_groups import MiB, one_stack, stack_options, step_of, timed, xla_flops  # noqa: E402
 
 import optiremat  # noqa: E402
 from optiremat.client.policy import KeyPolicy  # noqa: E402
@@ -42,12 +42,10 @@ def described(graph: CostGraph, key: str) -> tuple[int, str]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--accelerator", action="store_true",
-                        help="a stack sized for one accelerator chip (bf16, D 1024)")
+    stack_options(parser)
     parser.add_argument("--budget", type=float, help="MiB (default: midway between the "
                         "smallest plan and the step without checkpoints)")
     parser.add_argument("--top", type=int, default=8, help="largest saved values tried")
-    parser.add_argument("--rounds", type=int, default=15, help="timed runs of each step")
     ns = parser.parse_args()
     name, loss, args, unplanned, base = one_stack(ns.accelerator)
     if ns.budget is None:

@@ -24,6 +24,7 @@ import jax  # noqa: E402
 from layer_groups import (  # noqa: E402
     MiB,
     one_stack,
+    stack_options,
     step_of,
     timed,
     xla_flops,
@@ -39,9 +40,7 @@ BUILTINS = ("nothing_saveable", "dots_with_no_batch_dims_saveable", "dots_saveab
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--accelerator", action="store_true",
-                        help="a stack sized for one accelerator chip (bf16, D 1024)")
-    parser.add_argument("--rounds", type=int, default=15, help="timed runs of each step")
+    stack_options(parser)
     ns = parser.parse_args()
     name, loss, args, unplanned, base = one_stack(ns.accelerator)
     smallest = optiremat.optimize(loss, *args, budget=optiremat.min_feasible_budget(loss, *args))
