@@ -11,9 +11,10 @@ offload plan measured 0.7% over it (139.93 MiB against 138.93), over its budget.
 So where the device peak can be measured (``client.step.host_buffers_apart``), the
 answer's step is compiled (the program ``plan.apply(fun)`` lowers to: the one the
 user compiles next, and ``verify(peak=True)`` reads it without compiling again) and
-the plan answered with its measured peak, exact as refined plans are. Where that is over the budget, the budget is solved
-once more, less what the price missed (as ``client.peak.refine`` shifts plans without
-offload), and that plan measured too. Where it is under, the room is left unused.
+the plan answered with its measured peak, exact as refined plans are. Where that is
+over the budget, the budget is solved once more, less what the price missed (as
+``client.peak.refine`` shifts plans without offload), and that plan measured too.
+Where it is under, the room is left unused.
 Taking it would compile heavier plans the user never asked for, and XLA's TPU
 compiler can abort the process on an offload plan: on the accelerator stack (jax
 0.10.2) the answer at 740.36 MiB compiles (658.51 MiB measured, 64 MiB on host), so
