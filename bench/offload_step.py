@@ -17,9 +17,7 @@ one fits. Their steps are timed in one process, interleaved, medians and spread.
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -33,28 +31,19 @@ import optiremat  # noqa: E402
 from optiremat.solver.offload import OffloadOptions  # noqa: E402
 
 
-def _median_seconds(run, repeats: int = 7) -> float:
-    jax.block_until_ready(run())  # warm
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        jax.block_until_ready(run())
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
-
-
 def measured_rates(size: int) -> OffloadOptions:
     """The device's bf16 matrix rate and its link to ``pinned_host`` (bytes each way per
     second, from a round trip of 256 MiB), as the offload options plans are priced at."""
     device = jax.devices()[0]
     a = jnp.ones((size, size), jnp.bfloat16)
     product = jax.jit(lambda a: a @ a)
-    flop_rate = 2 * size**3 / _median_seconds(lambda: product(a))
     x = jnp.ones((64 * 2**20,), jnp.float32)
     host = jax.sharding.SingleDeviceSharding(device, memory_kind="pinned_host")
     back = jax.sharding.SingleDeviceSharding(device, memory_kind="device")
-    trip = _median_seconds(lambda: jax.device_put(jax.device_put(x, host), back))
-    bandwidth = 2 * x.nbytes / trip
+    medians = timed({"product": lambda: product(a),
+                     "trip": lambda: jax.device_put(jax.device_put(x, host), back)}, (), rounds=7)
+    flop_rate = 2 * size**3 / (medians["product"][0] / 1e3)
+    bandwidth = 2 * x.nbytes / (medians["trip"][0] / 1e3)
     print(f"measured: {flop_rate / 1e12:.1f} TFLOP/s (bf16 {size}^3 product), "
           f"{bandwidth / 1e9:.1f} GB/s to pinned_host and back")
     # Two significant figures each: the objective's integers need a large common divisor.
