@@ -55,7 +55,10 @@ def _compile_once(name: str) -> dict:
 PHASES = {"barriers_kept": "schedule probe", "working_bytes_in_step": "step working set",
           "traced_step_extraction": "extraction", "calibrate_phases": "calibration",
           "measured_split": "mixing", "as_written_peak": "step as written",
-          "measured": "refinement"}
+          "measured": "refinement",
+          # A compile started ahead (client.step.compile_ahead) runs on a worker thread,
+          # beside the planner's own work: its seconds overlap the others'.
+          "_worker": "compiled ahead"}
 
 
 def _phase(callers: list[str]) -> str:

@@ -10,9 +10,12 @@ the arguments, the gradients, less the outputs that reuse donated arguments.
 
 from __future__ import annotations
 
+import functools
 import hashlib
+import os
 from collections import Counter, OrderedDict
 from collections.abc import Callable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
@@ -43,10 +46,14 @@ def compiled_for_memory(lowered: jax.stages.Lowered,
     """``lowered`` compiled to read its memory analysis: an executable never to be run.
     With ``keep_barriers`` (a plan with checkpoints in straight-line code), under the
     schedule that keeps them apart from the forward pass (``client.schedule``)."""
+    return lowered.compile(_memory_options(keep_barriers))
+
+
+def _memory_options(keep_barriers: bool) -> dict[str, str | bool] | None:
     if jax.default_backend() == "cpu":
         extra = memory_compile_options() if keep_barriers else {}
-        return lowered.compile({**MEMORY_ONLY_OPTIONS, **extra})
-    return lowered.compile()
+        return {**MEMORY_ONLY_OPTIONS, **extra}
+    return None
 
 
 def memory_analysis(compiled: jax.stages.Compiled) -> Any:
@@ -107,22 +114,55 @@ def lowered_memory(lowered: jax.stages.Lowered,
                    keep_barriers: bool = False) -> StepMemoryAnalysis:
     """XLA's memory analysis of ``lowered`` compiled (``compiled_for_memory``); a program
     this process compiled already (the same StableHLO text on the same platform) is not
-    compiled again."""
-    key = (jax.default_backend(), hashlib.sha256(lowered.as_text().encode()).hexdigest(),
-           keep_barriers)
+    compiled again, and one compiling ahead (``compile_ahead``) is waited for."""
+    key = _program_key(lowered, keep_barriers)
     if key in _PEAKS:
         _PEAKS.move_to_end(key)
         return _PEAKS[key]
-    analysis = StepMemoryAnalysis.of(compiled_for_memory(lowered, keep_barriers))
+    ahead = _AHEAD.pop(key, None)
+    analysis = (ahead.result() if ahead is not None
+                else StepMemoryAnalysis.of(compiled_for_memory(lowered, keep_barriers)))
     _PEAKS[key] = analysis
     if len(_PEAKS) > MAX_REMEMBERED_PEAKS:
         _PEAKS.popitem(last=False)
     return analysis
 
 
+# Programs compiling on worker threads, by the key of ``_PEAKS``. XLA compiles without
+# Python's lock, so a program that will be measured next compiles while this thread traces
+# and lowers the one after it (on two cores, two step compiles together took 0.71x the
+# time of one after the other). Only this thread reads and writes these dictionaries.
+_AHEAD: dict[tuple[str, str, bool], Future[StepMemoryAnalysis]] = {}
+COMPILE_WORKERS = max(1, min(4, os.cpu_count() or 1))
+
+
+@functools.cache
+def _workers() -> ThreadPoolExecutor:
+    return ThreadPoolExecutor(COMPILE_WORKERS, thread_name_prefix="optiremat-compile")
+
+
+def compile_ahead(lowered: jax.stages.Lowered, keep_barriers: bool = False) -> None:
+    """Start compiling ``lowered`` for its memory analysis on a worker thread: the
+    ``lowered_memory`` of the same program then waits for it instead of compiling."""
+    key = _program_key(lowered, keep_barriers)
+    if key in _PEAKS or key in _AHEAD:
+        return
+    options = _memory_options(keep_barriers)  # its schedule probe compiles on this thread
+    _AHEAD[key] = _workers().submit(
+        lambda: StepMemoryAnalysis.of(lowered.compile(options)))
+
+
+def _program_key(lowered: jax.stages.Lowered, keep_barriers: bool) -> tuple[str, str, bool]:
+    return (jax.default_backend(), hashlib.sha256(lowered.as_text().encode()).hexdigest(),
+            keep_barriers)
+
+
 def forget_compiled_memory() -> None:
     """Forget the memory of every program compiled so far (``lowered_memory``): for a
     benchmark timing planning as a fresh process would."""
+    for ahead in _AHEAD.values():
+        ahead.cancel()
+    _AHEAD.clear()
     _PEAKS.clear()
 
 

@@ -19,8 +19,8 @@ from optiremat.client.peak.refine import refined_solve
 from optiremat.client.peak.step_graph import StepExtraction, step_extraction
 from optiremat.client.policy import KeyPolicy
 from optiremat.client.step import Step, lowered_peak
-from optiremat.solver.baselines import policy_saves
-from optiremat.solver.graph import CostGraph
+from optiremat.solver.baselines import builtin_offered_saves, policy_saves
+from optiremat.solver.graph import CostGraph, NodeMode
 from optiremat.solver.peak import BudgetView
 from optiremat.solver.semantics import evaluate, recompute_flops
 from optiremat.solver.solution import Solution
@@ -233,3 +233,55 @@ def test_room_a_solve_left_between_two_shifts_is_bisected(monkeypatch) -> None:
     assert filled.peak_bytes is not None and filled.peak_bytes <= budget
     assert unfilled.peak_bytes is not None and unfilled.peak_bytes < (1 - refine.ROOM) * budget
     assert filled.recompute_flops < unfilled.recompute_flops
+
+
+@dataclass
+class _FlatOverTheBudget:
+    """A stand-in for XLA's measurement where a working set the plans do not change sets
+    the peak (the corpus's unrolled Llama at its smallest budget): every plan the solver
+    answers measures ``floor``, over the budget, however little it saves; each built-in
+    measures ``over`` above its price. Records what each measured plan recomputes, and
+    whether it is a built-in."""
+
+    graph: CostGraph
+    floor: int
+    over: int
+    measured: list[tuple[int, bool, int]]  # (recompute FLOPs, a built-in, measured peak)
+
+    def measure(self, saves, keys, groups) -> tuple[int, int]:
+        priced = BudgetView.of(self.graph, None).predicted(saves)
+        g = self.graph
+        builtin = keys in [frozenset(k for k, s, m in zip(g.node_key, b, g.node_mode, strict=True)
+                                     if s and m != NodeMode.RECOMPUTE)
+                           for b in builtin_offered_saves(g).values()]
+        peak = priced + self.over if builtin else max(priced, self.floor)
+        self.measured.append((recompute_flops(self.graph, saves), builtin, peak))
+        return peak - priced, 0
+
+
+def test_refinement_measures_no_plan_that_cannot_be_the_answer() -> None:
+    """Each measurement is a compile of the step. A chase whose smaller budgets buy no
+    lower peak stops, and once a built-in fits, the solver's plans recomputing more than
+    it are not measured; the answer is still the fitting built-in that recomputes
+    least."""
+    _, _, _, extracted = _corpus_model("llama_f32_L4")
+    g = extracted.graph
+    view = BudgetView.of(g, None)
+    builtins = builtin_offered_saves(g)
+    over = 1 << 20
+    budget = view.predicted(builtins["dots_saveable"]) + over
+    measure = _FlatOverTheBudget(g, budget + (4 << 20), over, [])
+    plan = refined_solve(g, extracted.regions, budget, lambda b: solve(g, b), measure)
+
+    fitting = [recompute_flops(g, s) for s in builtins.values()
+               if view.predicted(s) + over <= budget]
+    assert plan.recompute_flops == min(fitting)
+    kinds = [builtin for _, builtin, _ in measure.measured]
+    # The first solve and the one after it, which measured no lower: then the built-ins.
+    assert kinds[:3] == [False, False, True]
+    best = None
+    for flops, builtin, peak in measure.measured:
+        if builtin and peak <= budget:
+            best = flops if best is None else min(best, flops)
+        elif not builtin and best is not None:
+            assert flops <= best, "a plan recomputing more than a fitting built-in measured"

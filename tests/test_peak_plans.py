@@ -17,7 +17,14 @@ from optiremat.client.peak.placement import Placement, PlacementError
 from optiremat.client.peak.step_graph import step_extraction
 from optiremat.client.plan import Verification
 from optiremat.client.policy import KeyPolicy
-from optiremat.client.step import Step, StepError, compiled_for_memory
+from optiremat.client.step import (
+    Step,
+    StepError,
+    compile_ahead,
+    compiled_for_memory,
+    forget_compiled_memory,
+    lowered_memory,
+)
 from optiremat.solver.graph import CostGraph, GraphError
 from optiremat.solver.solution import InfeasibleBudgetError
 from optiremat.solver.solve import max_useful_budget, min_feasible_budget, solve
@@ -230,3 +237,24 @@ def test_a_program_compiled_for_its_memory_holds_what_the_default_compile_holds(
     for field in ("argument", "output", "temp", "alias"):
         attr = f"{field}_size_in_bytes"
         assert getattr(fast, attr) == getattr(default, attr), field
+
+
+def test_a_program_compiled_ahead_is_measured_once_and_the_same(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Refinement starts the compiles of the candidates it measures next on worker threads
+    (``client.step.compile_ahead``): the measurement waits for that compile, compiles
+    nothing again, and reads what a compile on this thread reads."""
+    fun, args = llama(layers=2)
+    programs = [STEP.function(jax.checkpoint(fun, policy=policy)).lower(*args)
+                for policy in (jax.checkpoint_policies.nothing_saveable,
+                               jax.checkpoint_policies.dots_saveable)]
+    forget_compiled_memory()
+    compiles = _counting_compiles(monkeypatch)
+    for lowered in programs:
+        compile_ahead(lowered)
+        compile_ahead(lowered)  # once only
+    ahead = [lowered_memory(lowered) for lowered in programs]
+    assert len(compiles) == 2
+    forget_compiled_memory()
+    here = [lowered_memory(lowered) for lowered in programs]
+    assert ahead == here and ahead[0].peak_bytes < ahead[1].peak_bytes

@@ -108,9 +108,11 @@ def _measure(region: Region, saved_keys: frozenset[str] | None) -> tuple[int, in
 
 
 def calibrate_phases(graph: CostGraph, regions: Sequence[Region],
-                     step_peak: Callable[[Any], int]) -> StepMemory:
+                     step_peak: Callable[[Any], int],
+                     step_ahead: Callable[[Any], None] = lambda policy: None) -> StepMemory:
     """The step's memory with its phases calibrated against the step itself, compiled
-    with every region under a built-in (``step_peak(policy)``: XLA's peak of the step).
+    with every region under a built-in (``step_peak(policy)``: XLA's peak of the step;
+    ``step_ahead(policy)`` starts that compile on a worker thread, to be read later).
 
     Under ``nothing_saveable`` the residuals are fewest and priced exactly (the layers'
     stacked inputs), so the phase that sets that plan's peak is measured to the byte:
@@ -149,6 +151,8 @@ def calibrate_phases(graph: CostGraph, regions: Sequence[Region],
         for k, phase in enumerate(phases[:-1]):
             in_step = lean + outside_share - phase.fixed_residual_bytes
             memories[k] = memories[k].model_copy(update={"working_bytes": max(in_step, 0)})
+    # The step saving everything compiles while the layers' programs saving everything do.
+    step_ahead(jax.checkpoint_policies.everything_saveable)
     every = frozenset(k for k in graph.node_key if k)
     extra = priced_extra_bytes(graph, [True] * graph.num_nodes)
     saving = [working_bytes_in_step(r, m, every, extra) + p.fixed_residual_bytes

@@ -21,7 +21,7 @@ from optiremat.client.peak.calibration import working_bytes_in_step
 from optiremat.client.peak.placement import Placement, Region, keeps_barriers
 from optiremat.client.peak.step_graph import StepExtraction
 from optiremat.client.policy import KeyPolicy
-from optiremat.client.step import lowered_peak
+from optiremat.client.step import compile_ahead, lowered_peak
 from optiremat.solver.graph import CostGraph
 from optiremat.solver.peak import BudgetView, priced_extra_bytes
 
@@ -45,6 +45,8 @@ def working_set_delta(graph: CostGraph, regions: Sequence[Region], saves: Sequen
 
 # A scan's layers planned apart: per group of consecutive layers, (layers, saved keys).
 LayerSplit = tuple[tuple[int, frozenset[str]], ...]
+# A plan as its measurements are remembered: (saved keys, groups, offloaded keys).
+_PlanKey = tuple[frozenset[str], tuple[int, ...] | None, frozenset[str]]
 
 
 class PeakMeasure(Protocol):
@@ -74,18 +76,21 @@ class LayerMeasure:
 
 @dataclass
 class StepMeasure:
-    """A plan's whole training step compiled (``peak_of(keys, groups, offloaded)``, XLA's
-    peak of the jitted step with the plan applied): exact in every phase, the head's
-    included, and what ``optimize`` refines against. Each plan is compiled once."""
+    """A plan's whole training step compiled (``lowered_of(keys, groups, offloaded)``
+    lowers the jitted step with the plan applied; XLA's peak of it): exact in every
+    phase, the head's included, and what ``optimize`` refines against. Each plan is
+    lowered and compiled once."""
 
     graph: CostGraph
-    # (saved keys, groups, offloaded keys) -> XLA's peak of the step under that plan
-    peak_of: Callable[[frozenset[str], tuple[int, ...] | None, frozenset[str]], int]
+    # (saved keys, groups, offloaded keys) -> the step under that plan, lowered
+    lowered_of: Callable[[frozenset[str], tuple[int, ...] | None, frozenset[str]],
+                         jax.stages.Lowered]
+    keep_barriers: bool  # compiled with checkpoints' barriers kept (``client.schedule``)
     # The peak of the step whose one scan region has its layers planned apart
     # (``client.peak.mixing``): per group in program order, (layers, saved keys).
     split_peak_of: Callable[[LayerSplit], int] | None = None
-    _peaks: dict[tuple[frozenset[str], tuple[int, ...] | None, frozenset[str]], int] = field(
-        default_factory=dict)
+    _peaks: dict[_PlanKey, int] = field(default_factory=dict)
+    _ahead: dict[_PlanKey, jax.stages.Lowered] = field(default_factory=dict)
     _split_peaks: dict[LayerSplit, int] = field(default_factory=dict)
 
     def measured_split(self, split: LayerSplit) -> int:
@@ -100,11 +105,19 @@ class StepMeasure:
         """XLA's peak of the step saving the policy keys ``keys`` in ``groups`` (and
         offloading ``offloaded`` to host memory: its device peak, where the backend's
         analysis keeps host buffers apart, ``client.step.host_buffers_apart``)."""
-        key = (keys, None if groups is None or all(k == 1 for k in groups) else tuple(groups),
-               offloaded)
+        key = (keys, _grouped(groups), offloaded)
         if key not in self._peaks:
-            self._peaks[key] = self.peak_of(*key)
+            lowered = self._ahead.pop(key, None) or self.lowered_of(*key)
+            self._peaks[key] = lowered_peak(lowered, self.keep_barriers)
         return self._peaks[key]
+
+    def ahead(self, keys: frozenset[str], groups: Sequence[int] | None) -> None:
+        """Start compiling the step saving ``keys`` in ``groups`` on a worker thread
+        (``client.step.compile_ahead``), for ``measured`` to read soon."""
+        key: _PlanKey = (keys, _grouped(groups), frozenset())
+        if key not in self._peaks and key not in self._ahead:
+            self._ahead[key] = self.lowered_of(*key)
+            compile_ahead(self._ahead[key], self.keep_barriers)
 
     def measure(self, saves: Sequence[bool], keys: frozenset[str],
                 groups: Sequence[int] | None) -> tuple[int, int]:
@@ -112,6 +125,19 @@ class StepMeasure:
         delta = (self.measured(keys, groups)
                  - BudgetView.of(self.graph, None, groups).predicted(list(saves)))
         return delta, _beyond_residuals(self.graph, saves, groups, delta)
+
+
+def _grouped(groups: Sequence[int] | None) -> tuple[int, ...] | None:
+    """``groups`` as a plan's measurements are remembered by: None for one per layer."""
+    return None if groups is None or all(k == 1 for k in groups) else tuple(groups)
+
+
+def measure_ahead(measure: PeakMeasure, keys: frozenset[str],
+                  groups: Sequence[int] | None = None) -> None:
+    """Where ``measure`` compiles the step (``StepMeasure``), start compiling the plan
+    saving ``keys`` in ``groups``, which is measured next; elsewhere nothing."""
+    if isinstance(measure, StepMeasure):
+        measure.ahead(keys, groups)
 
 
 def _beyond_residuals(graph: CostGraph, saves: Sequence[bool], groups: Sequence[int] | None,
@@ -140,18 +166,21 @@ def step_measure(fun: Callable, args: Sequence, extracted: StepExtraction,
     def expanded(keys: frozenset[str]) -> frozenset[str]:
         return frozenset(k for key in keys for k in aliases.get(key, {key}))
 
-    def compiled_peak(evaluate: Callable[[Sequence], object]) -> int:
+    def lowered(evaluate: Callable[[Sequence], object]) -> jax.stages.Lowered:
         @functools.wraps(fun)  # the module's name is the function's, as plan.apply's
         def applied(*args):
             return evaluate(jax.tree_util.tree_leaves(args))
 
-        return lowered_peak(placement.step.function(applied).lower(*args), keep_barriers)
+        return placement.step.function(applied).lower(*args)
 
-    def peak_of(keys: frozenset[str], groups: tuple[int, ...] | None,
-                offloaded: frozenset[str]) -> int:
+    def compiled_peak(evaluate: Callable[[Sequence], object]) -> int:
+        return lowered_peak(lowered(evaluate), keep_barriers)
+
+    def plan_lowered(keys: frozenset[str], groups: tuple[int, ...] | None,
+                     offloaded: frozenset[str]) -> jax.stages.Lowered:
         policy = KeyPolicy(expanded(keys), expanded(offloaded))
-        return compiled_peak(lambda leaves: placement.evaluate(
-            extracted.traced, leaves, policy, groups))
+        return lowered(lambda leaves: placement.evaluate(extracted.traced, leaves, policy,
+                                                         groups))
 
     def split_peak_of(split: LayerSplit) -> int:
         (region,) = placement.regions
@@ -159,5 +188,5 @@ def step_measure(fun: Callable, args: Sequence, extracted: StepExtraction,
         return compiled_peak(lambda leaves: placement.evaluate(
             extracted.traced, leaves, policies[0][1], None, {region.index: policies}))
 
-    return StepMeasure(extracted.graph, peak_of,
+    return StepMeasure(extracted.graph, plan_lowered, keep_barriers,
                        split_peak_of if len(placement.regions) == 1 else None)

@@ -26,7 +26,9 @@ worse than the built-ins as XLA measures them. Where the answer then leaves more
 than 2% of the budget unused and a solve nearer the budget measured over it, the
 budgets between are bisected (twice at most), so that a plan priced between two
 solves is not missed. Each round is one solve and at most one compile
-(measurements are remembered), never a compile per candidate of the MILP. A
+(measurements are remembered), never a compile per candidate of the MILP; none
+where the solve recomputes more than the best plan measured so far, which it
+cannot beat. A
 budget the solver's price of its smallest plan misses by a few bytes is answered
 with that plan when it fits as measured. The smallest feasible
 budget an infeasible one names is the smallest budget refinement plans, found
@@ -37,10 +39,12 @@ alone measures 18% under the smallest plan.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable, Sequence
 
-from optiremat.client.peak.measures import LayerMeasure, PeakMeasure
+from optiremat.client.peak.measures import LayerMeasure, PeakMeasure, measure_ahead
 from optiremat.client.peak.regions import Region
+from optiremat.client.step import COMPILE_WORKERS
 from optiremat.solver.baselines import builtin_offered_saves
 from optiremat.solver.graph import CostGraph, NodeMode
 from optiremat.solver.peak import BudgetView
@@ -161,19 +165,23 @@ class _Refinement:
         """The best plan that fits as measured; None when none does. ``fill``: whether to
         bisect where it leaves room (``_fill``), asked of the best plan before (by
         default, always)."""
+        start = 0
         try:
-            first = self._attempt(0)
+            first = self._attempt(start)
         except InfeasibleBudgetError as err:
             # The solver's price for its smallest plan may be a little over what XLA
             # holds (its small buffers): measured, that plan may fit the budget.
             if err.min_budget_bytes <= self.budget:
                 raise
-            first = self._attempt(self.budget - err.min_budget_bytes)
+            start = self.budget - err.min_budget_bytes
+            first = self._attempt(start)
         if first is None:
             assert self.unplanned is not None
             return self.unplanned  # stopped before a plan: nothing to measure
+        assert first[0].peak_bytes is not None
         # Each answer's peak was priced ``delta`` under what it holds: solve again there.
-        self._chase(first[1], MAX_ROUNDS - 1, lambda answer, delta, shift: delta)
+        self._chase(first[1], MAX_ROUNDS - 1, lambda answer, delta, shift: delta,
+                    (start, first[0].peak_bytes))
         self._builtins()
         if fill is None or (self.best is not None and fill(self.best)):
             self._fill()
@@ -189,6 +197,11 @@ class _Refinement:
             self.unplanned = answer
             return None
         self.solved = answer
+        if self.best is not None and answer.recompute_flops > self.best.recompute_flops:
+            # It cannot be the answer, measured or not, nor can the plans of the smaller
+            # budgets a chase goes on to: not compiled (on the corpus's unrolled Llama,
+            # 4 of the 13 compiles of its smallest budget).
+            return None
         measured = self._measured(answer)
         if self._fits(measured) and (self.best is None or _better(measured, self.best)):
             self.best = measured
@@ -223,9 +236,15 @@ class _Refinement:
                 return
 
     def _chase(self, shift: int, rounds: int,
-               after: Callable[[Solution, int, int], int | None]) -> None:
+               after: Callable[[Solution, int, int], int | None],
+               before: tuple[int, int] | None = None) -> None:
         """Solve at ``shift``, then at the shift ``after(answer, delta, shift)`` names, at
-        most ``rounds`` solves; stop at a shift tried already, or where none fits."""
+        most ``rounds`` solves; stop at a shift tried already, where none fits, or where
+        the chase stalls: a plan solved at a greater shift than the one before (``before``:
+        its shift and measured peak) measuring no lower and over the budget. There the peak
+        is set by what the solver's plans do not change (on the corpus's unrolled Llama, a
+        block's working set: its plans measured 99.06 MiB at shifts 0 and 10.9 MiB, and
+        each later round only recomputed more)."""
         for _ in range(rounds):
             if shift in self.tried or self.budget < shift:
                 return
@@ -233,10 +252,17 @@ class _Refinement:
                 attempt = self._attempt(shift)
             except InfeasibleBudgetError:
                 return
-            following = None if attempt is None else after(*attempt, shift)
+            if attempt is None:
+                return
+            peak = attempt[0].peak_bytes
+            assert peak is not None
+            if (before is not None and shift > before[0] and peak >= before[1]
+                    and peak > self.budget):
+                return
+            following = after(*attempt, shift)
             if following is None:
                 return
-            shift = following
+            shift, before = following, (shift, peak)
 
     def _candidates(self) -> list[list[bool]]:
         """JAX's built-ins; each value the user named with ``checkpoint_name`` saved alone
@@ -276,28 +302,42 @@ class _Refinement:
 
     def _builtins(self) -> None:
         view = BudgetView.of(self.graph, None)
-        for offered in self._candidates():
-            flops = recompute_flops(self.graph, offered)
-            if self.best is not None and flops >= self.best.recompute_flops:
+        candidates = self._candidates()
+        for at, offered in enumerate(candidates):
+            if not self._worth_measuring(offered):
                 continue
-            predicted = view.predicted(offered)
-            if self.floor_holds and predicted - self.unmeasured_share > self.budget:
-                continue  # over the budget whatever its working sets
-            preset = offered in self.presets  # always measured: the answer is never worse
-            if (not preset and self.best is not None
-                    and self.candidates_measured >= MAX_CANDIDATES_MEASURED):
-                continue
+            # The next ones measured compile meanwhile, where the measure can.
+            following = (c for c in candidates[at + 1:] if self._worth_measuring(c))
+            for ahead in itertools.islice(following, COMPILE_WORKERS - 1):
+                measure_ahead(self.measure, self._candidate_keys(ahead))
+            flops, predicted = recompute_flops(self.graph, offered), view.predicted(offered)
             self.candidates_measured += 1
             keys, shift = self._candidate_shift(offered)
             if predicted + shift > self.budget:
                 continue
+            # It fits: it is the answer unless the solver's plans at its shift recompute
+            # less. Taken first, so that those recomputing more are not compiled.
+            builtin = self._measured(self._priced(offered, keys, self.budget - shift))
+            if self._fits(builtin) and (self.best is None
+                                        or flops < self.best.recompute_flops):
+                self.best = builtin
             # The solver's plan there may hold a little more than the built-in does:
             # then tighten by what it overshot.
             self._chase(shift, MAX_TIGHTENINGS, self._tightened)
-            if self.best is None or flops < self.best.recompute_flops:
-                builtin = self._measured(self._priced(offered, keys, self.budget - shift))
-                if self._fits(builtin):
-                    self.best = builtin
+
+    def _worth_measuring(self, offered: list[bool]) -> bool:
+        """Whether a candidate is measured now: it recomputes less than the best plan so
+        far, its floor is not over the budget, and the cap on candidates measured once a
+        plan fits is not reached (a preset is always measured: the answer is never
+        worse)."""
+        if (self.best is not None
+                and recompute_flops(self.graph, offered) >= self.best.recompute_flops):
+            return False
+        predicted = BudgetView.of(self.graph, None).predicted(offered)
+        if self.floor_holds and predicted - self.unmeasured_share > self.budget:
+            return False  # over the budget whatever its working sets
+        return (offered in self.presets or self.best is None
+                or self.candidates_measured < MAX_CANDIDATES_MEASURED)
 
     def _tightened(self, answer: Solution, delta: int, shift: int) -> int | None:
         assert answer.peak_bytes is not None
@@ -306,10 +346,14 @@ class _Refinement:
     def _candidate_shift(self, offered: Sequence[bool]) -> tuple[frozenset[str], int]:
         """The policy keys of the candidate saving ``offered``, and how far its measured
         peak is from its price."""
-        g = self.graph
-        keys = frozenset(k for k, s, m in zip(g.node_key, offered, g.node_mode, strict=True)
-                         if s and m != NodeMode.RECOMPUTE)
+        keys = self._candidate_keys(offered)
         return keys, self.measure.measure(offered, keys, None)[0]
+
+    def _candidate_keys(self, offered: Sequence[bool]) -> frozenset[str]:
+        """The policy keys of the candidate saving ``offered``."""
+        g = self.graph
+        return frozenset(k for k, s, m in zip(g.node_key, offered, g.node_mode, strict=True)
+                         if s and m != NodeMode.RECOMPUTE)
 
     def _smallest_plan(self) -> Solution:
         """The solver's smallest plan (``nothing_saveable`` in every layer, whose working
@@ -329,14 +373,23 @@ class _Refinement:
     def smallest_measured(self) -> int:
         """The least measured peak of the solver's smallest plan and of every candidate
         (those whose floor is over the least so far cannot be under it)."""
-        least = self._smallest_plan().peak_bytes
-        assert least is not None
+        smallest = self._smallest_plan().peak_bytes
+        assert smallest is not None
+        least = smallest
         view = BudgetView.of(self.graph, None)
-        for offered in self._candidates():  # the leanest as priced first
-            predicted = view.predicted(offered)
-            if self.floor_holds and predicted - self.unmeasured_share >= least:
+
+        def could_be_under(offered: list[bool], least: int) -> bool:
+            return not self.floor_holds or (
+                view.predicted(offered) - self.unmeasured_share < least)
+
+        candidates = self._candidates()  # the leanest as priced first
+        for at, offered in enumerate(candidates):
+            if not could_be_under(offered, least):
                 continue
-            least = min(least, predicted + self._candidate_shift(offered)[1])
+            following = (c for c in candidates[at + 1:] if could_be_under(c, least))
+            for ahead in itertools.islice(following, COMPILE_WORKERS - 1):
+                measure_ahead(self.measure, self._candidate_keys(ahead))
+            least = min(least, view.predicted(offered) + self._candidate_shift(offered)[1])
         return least
 
     def _priced(self, offered: Sequence[bool], keys: frozenset[str], budget: int) -> Solution:

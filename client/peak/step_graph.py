@@ -21,7 +21,7 @@ from optiremat.client.peak.calibration import assumed_working_bytes, calibrate_p
 from optiremat.client.peak.finding import RegionMarker, find_regions
 from optiremat.client.peak.placement import Placement, keeps_barriers, place
 from optiremat.client.peak.regions import Region
-from optiremat.client.step import Step, StepMemoryAnalysis, lowered_memory
+from optiremat.client.step import Step, StepMemoryAnalysis, compile_ahead, lowered_memory
 from optiremat.solver.graph import CostGraph, NodeMode
 from optiremat.solver.semantics import kept_anyway
 from optiremat.solver.step import StepMemory
@@ -79,12 +79,25 @@ def traced_step_extraction(traced: Traced, args: Sequence, step: Step, *, name: 
 
     every_layer = Placement(regions, tuple(flags), step, scopes=tuple(scopes))
 
-    def step_memory(policy) -> StepMemoryAnalysis:
-        """XLA's memory analysis of the step with every region under ``policy``."""
+    lowered_by_policy: dict[object, jax.stages.Lowered] = {}
+
+    def step_lowered(policy) -> jax.stages.Lowered:
+        """The step with every region under ``policy``, lowered (once: a compile started
+        ahead is read from the same program)."""
         def placed(*args):
             return every_layer.evaluate(traced, jax.tree_util.tree_leaves(args), policy)
-        return lowered_memory(step.function(placed).lower(*args), keeps_barriers(regions))
+        if policy not in lowered_by_policy:
+            lowered_by_policy[policy] = step.function(placed).lower(*args)
+        return lowered_by_policy[policy]
 
+    def step_memory(policy) -> StepMemoryAnalysis:
+        """XLA's memory analysis of the step with every region under ``policy``."""
+        return lowered_memory(step_lowered(policy), keeps_barriers(regions))
+
+    # Calibration's first compile runs while the regions' programs compile and the graph
+    # is extracted.
+    compile_ahead(step_lowered(jax.checkpoint_policies.nothing_saveable),
+                  keeps_barriers(regions))
     if not traced.layout.on_mesh:
         arguments, outputs, aliases = step.held_memory(args)
     else:
@@ -99,8 +112,9 @@ def traced_step_extraction(traced: Traced, args: Sequence, step: Step, *, name: 
                                  differentiated=flags, step_memory=memory,
                                  names=names or False)
 
-    calibrated = calibrate_phases(extraction.graph, regions,
-                                  lambda policy: step_memory(policy).peak_bytes)
+    calibrated = calibrate_phases(
+        extraction.graph, regions, lambda policy: step_memory(policy).peak_bytes,
+        lambda policy: compile_ahead(step_lowered(policy), keeps_barriers(regions)))
     graph = CostGraph.model_construct(**{**dict(extraction.graph), "step": calibrated})
     if names is not None:
         graph = _idle_names_recomputed(graph)
