@@ -187,17 +187,19 @@ class _Refinement:
             self._fill()
         return self.best if self.best is not None else self._smallest()
 
-    def _attempt(self, shift: int) -> tuple[Solution, int] | None:
+    def _attempt(self, shift: int, bracketing: bool = False) -> tuple[Solution, int] | None:
         """The plan solved at ``budget - shift``, measured, and how much more its peak is
         than the solver priced it; kept when it fits and is best. None when the solver
-        stopped before a plan."""
+        stopped before a plan, or when it recomputes more than the best plan so far and
+        is not ``bracketing`` (measured for where the plans that fit begin, ``_fill``)."""
         self.tried.add(shift)
         answer = self.solve_at(self.budget - shift)
         if not answer.planned or answer.peak_bytes is None:
             self.unplanned = answer
             return None
         self.solved = answer
-        if self.best is not None and answer.recompute_flops > self.best.recompute_flops:
+        if (not bracketing and self.best is not None
+                and answer.recompute_flops > self.best.recompute_flops):
             # It cannot be the answer, measured or not, nor can the plans of the smaller
             # budgets a chase goes on to: not compiled (on the corpus's unrolled Llama,
             # 4 of the 13 compiles of its smallest budget).
@@ -231,7 +233,7 @@ class _Refinement:
             if middle in self.tried:
                 return
             try:
-                self._attempt(middle)
+                self._attempt(middle, bracketing=True)
             except InfeasibleBudgetError:
                 return
 
