@@ -39,8 +39,10 @@ alone measures 18% under the smallest plan.
 
 from __future__ import annotations
 
+import functools
 import itertools
 from collections.abc import Callable, Sequence
+from typing import NamedTuple
 
 from optiremat.client.peak.measures import LayerMeasure, PeakMeasure, measure_ahead
 from optiremat.client.peak.regions import Region
@@ -266,7 +268,7 @@ class _Refinement:
                 return
             shift, before = following, (shift, peak)
 
-    def _candidates(self) -> list[list[bool]]:
+    def _candidates(self) -> list[_Candidate]:
         """JAX's built-ins; each value the user named with ``checkpoint_name`` saved alone
         (a name's policy key); and the names saved together up to each one in program
         order, as LM libraries' presets save a layer's first projections (q, k and v;
@@ -279,7 +281,8 @@ class _Refinement:
         names alone are tried, the leanest as priced first (those are the ones a tight
         budget may take); once one fits, the leanest and the fewest FLOPs alternate: the
         leanest find the plans a budget at a preset's peak holds, the fewest FLOPs the
-        presets that save more than the calibration suggests they fit."""
+        presets that save more than the calibration suggests they fit. Each is priced
+        once here."""
         g = self.graph
         candidates = [*self.presets, *builtin_offered_saves(g).values()]
         # A name whose value is kept anyway (a layer's input) changes nothing saved.
@@ -294,28 +297,25 @@ class _Refinement:
             candidates += [_saving(g, set(names[:end])) for end in range(2, len(names) + 1)]
         view = BudgetView.of(g, None)
         unique = {tuple(saves): saves for saves in candidates}.values()
-        priced = [(view.predicted(saves), recompute_flops(g, saves), saves) for saves in unique]
-        leanest = sorted(priced, key=lambda p: p[:2])
+        priced = [_Candidate(view.predicted(saves), recompute_flops(g, saves), saves)
+                  for saves in unique]
+        leanest = sorted(priced, key=lambda c: (c.predicted, c.flops))
         if self.best is None:
-            return [saves for *_, saves in leanest]
-        fewest_flops = sorted(priced, key=lambda p: (p[1], p[0]))
-        alternated = [p for pair in zip(leanest, fewest_flops, strict=True) for p in pair]
-        return list({id(saves): saves for *_, saves in alternated}.values())
+            return leanest
+        fewest_flops = sorted(priced, key=lambda c: (c.flops, c.predicted))
+        alternated = [c for pair in zip(leanest, fewest_flops, strict=True) for c in pair]
+        return list({id(c.saves): c for c in alternated}.values())
 
     def _builtins(self) -> None:
-        view = BudgetView.of(self.graph, None)
         candidates = self._candidates()
-        for at, offered in enumerate(candidates):
-            if not self._worth_measuring(offered):
+        for at, candidate in enumerate(candidates):
+            if not self._worth_measuring(candidate):
                 continue
-            # The next ones measured compile meanwhile, where the measure can.
-            following = (c for c in candidates[at + 1:] if self._worth_measuring(c))
-            for ahead in itertools.islice(following, COMPILE_WORKERS - 1):
-                measure_ahead(self.measure, self._candidate_keys(ahead))
-            flops, predicted = recompute_flops(self.graph, offered), view.predicted(offered)
+            self._compile_ahead(candidates[at + 1:], self._worth_measuring)
+            offered, flops = candidate.saves, candidate.flops
             self.candidates_measured += 1
             keys, shift = self._candidate_shift(offered)
-            if predicted + shift > self.budget:
+            if candidate.predicted + shift > self.budget:
                 continue
             # It fits: it is the answer unless the solver's plans at its shift recompute
             # less. Taken first, so that those recomputing more are not compiled.
@@ -327,19 +327,24 @@ class _Refinement:
             # then tighten by what it overshot.
             self._chase(shift, MAX_TIGHTENINGS, self._tightened)
 
-    def _worth_measuring(self, offered: list[bool]) -> bool:
+    def _worth_measuring(self, candidate: _Candidate) -> bool:
         """Whether a candidate is measured now: it recomputes less than the best plan so
         far, its floor is not over the budget, and the cap on candidates measured once a
         plan fits is not reached (a preset is always measured: the answer is never
         worse)."""
-        if (self.best is not None
-                and recompute_flops(self.graph, offered) >= self.best.recompute_flops):
+        if self.best is not None and candidate.flops >= self.best.recompute_flops:
             return False
-        predicted = BudgetView.of(self.graph, None).predicted(offered)
-        if self.floor_holds and predicted - self.unmeasured_share > self.budget:
+        if self.floor_holds and candidate.predicted - self.unmeasured_share > self.budget:
             return False  # over the budget whatever its working sets
-        return (offered in self.presets or self.best is None
+        return (candidate.saves in self.presets or self.best is None
                 or self.candidates_measured < MAX_CANDIDATES_MEASURED)
+
+    def _compile_ahead(self, later: Sequence[_Candidate],
+                       measured: Callable[[_Candidate], bool]) -> None:
+        """Where the measure compiles the step, start compiling the next candidates of
+        ``later`` to be ``measured`` (one per spare worker thread) while this one is."""
+        for candidate in itertools.islice(filter(measured, later), COMPILE_WORKERS - 1):
+            measure_ahead(self.measure, self._candidate_keys(candidate.saves))
 
     def _tightened(self, answer: Solution, delta: int, shift: int) -> int | None:
         assert answer.peak_bytes is not None
@@ -378,20 +383,17 @@ class _Refinement:
         smallest = self._smallest_plan().peak_bytes
         assert smallest is not None
         least = smallest
-        view = BudgetView.of(self.graph, None)
 
-        def could_be_under(offered: list[bool], least: int) -> bool:
+        def could_be_under(candidate: _Candidate, least: int) -> bool:
             return not self.floor_holds or (
-                view.predicted(offered) - self.unmeasured_share < least)
+                candidate.predicted - self.unmeasured_share < least)
 
         candidates = self._candidates()  # the leanest as priced first
-        for at, offered in enumerate(candidates):
-            if not could_be_under(offered, least):
+        for at, candidate in enumerate(candidates):
+            if not could_be_under(candidate, least):
                 continue
-            following = (c for c in candidates[at + 1:] if could_be_under(c, least))
-            for ahead in itertools.islice(following, COMPILE_WORKERS - 1):
-                measure_ahead(self.measure, self._candidate_keys(ahead))
-            least = min(least, view.predicted(offered) + self._candidate_shift(offered)[1])
+            self._compile_ahead(candidates[at + 1:], functools.partial(could_be_under, least=least))
+            least = min(least, candidate.predicted + self._candidate_shift(candidate.saves)[1])
         return least
 
     def _priced(self, offered: Sequence[bool], keys: frozenset[str], budget: int) -> Solution:
@@ -425,6 +427,15 @@ class _Refinement:
     def _fits(self, answer: Solution) -> bool:
         assert answer.peak_bytes is not None
         return answer.peak_bytes <= self.budget
+
+
+class _Candidate(NamedTuple):
+    """A plan refinement tries besides the solver's (``_Refinement._candidates``), priced:
+    its peak as the calibrated phases predict it and the FLOPs it recomputes."""
+
+    predicted: int
+    flops: int
+    saves: list[bool]
 
 
 def _names_in_order(graph: CostGraph) -> list[str]:
