@@ -16,7 +16,7 @@ import optiremat.client._jax_internals as jx
 from optiremat.client.extract import Traced
 from optiremat.client.frameworks import preset_saves
 from optiremat.client.peak.finding import why_no_regions
-from optiremat.client.peak.measures import step_measure
+from optiremat.client.peak.measures import StepMeasure, step_measure
 from optiremat.client.peak.mixing import not_mixed, with_layers_apart
 from optiremat.client.peak.offload_fit import fitted_offload
 from optiremat.client.peak.placement import Placement, keeps_barriers, measured_with_barriers
@@ -107,20 +107,25 @@ def plan_peak(fun: Callable, traced: Traced, args: Sequence, request: PlanReques
     placement = Placement(regions, extracted.differentiated, request.step,
                           name_inputs=request.offload, scopes=extracted.scopes)
     warn_if_unscheduled(regions, request)
+
+    def plan_measure(barriers_kept: bool = False) -> StepMeasure:
+        """A plan's step compiled as the request's schedule measures it, or with its
+        blocks' barriers kept (what a plan for a process that merges them would reach)."""
+        return step_measure(fun, args, extracted, placement, barriers_kept
+                            or measured_with_barriers(regions, request.schedule))
+
     # A plan for this process whose compile merges its blocks back is measured as this
     # process compiles, and says what it would measure with the barriers kept.
     for_merged = merges_blocks(regions) and request.schedule == "process" and measured(request)
     try:
         if measured(request):
-            measure = step_measure(fun, args, extracted, placement,
-                                   measured_with_barriers(regions, request.schedule))
+            measure = plan_measure()
             solution = refined_solve(graph, regions, budget_bytes, solve_at, measure, presets,
                                      fill=not_mixed(request.layer_groups, regions, measure))
             if request.layer_groups:
                 solution = with_layers_apart(graph, regions, solution, solve_unnested, measure)
         elif offload_measured(request):
-            measure = step_measure(fun, args, extracted, placement,
-                                   measured_with_barriers(regions, request.schedule))
+            measure = plan_measure()
             solution = fitted_offload(budget_bytes, solve_at, lambda plan: measure.measured(
                 frozenset(plan.saved_keys), plan.groups, frozenset(plan.offloaded_keys)))
         else:
@@ -135,7 +140,7 @@ def plan_peak(fun: Callable, traced: Traced, args: Sequence, request: PlanReques
             err = InfeasibleBudgetError(err.budget_bytes, min(err.min_budget_bytes, written),
                                         err.why)
         if for_merged:
-            kept = step_measure(fun, args, extracted, placement, keep_barriers=True)
+            kept = plan_measure(barriers_kept=True)
             raise InfeasibleBudgetError(
                 err.budget_bytes, err.min_budget_bytes,
                 merged_infeasible_why(smallest_budget(graph, solve_at, kept, presets))) from None
@@ -147,7 +152,7 @@ def plan_peak(fun: Callable, traced: Traced, args: Sequence, request: PlanReques
                                     f"No plan can lower the peak: {why}") from None
     # The plan with its blocks' barriers kept, for the note, compiles while the step as
     # written does (both are the last compiles).
-    with_barriers = (step_measure(fun, args, extracted, placement, keep_barriers=True)
+    with_barriers = (plan_measure(barriers_kept=True)
                      if for_merged and solution.peak_bytes is not None else None)
     if with_barriers is not None:
         with_barriers.ahead(frozenset(solution.saved_keys), solution.groups)
