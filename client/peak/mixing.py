@@ -25,6 +25,17 @@ learns its level; the next round chooses again, four compiles at most, one to
 three on the budgets of ``bench/layer_groups.py``. Refinement leaves its fill
 (``refine._Refinement._fill``) to the mix, which fills the budget finer.
 
+A backend may hold more for a scan split into two loops. On a TPU v5e (jax 0.10.2) it
+holds the smaller loop's stacked residuals again: 4 + 4 layers of one plan measured
+1506.55 MiB against 1187.95 in one loop, 6 + 2 1340.58, 2 + 6 1357.25, where on CPU
+all measure the same; XLA's buffer assignment of the two programs is the same size
+(741 and 743 MiB of temporaries), so the bytes are the backend's own, after HLO. The
+line learns it from the step: where a mix of two loops measures over its line by
+half its smaller loop's bytes or more, one more compile measures the refined
+answer's own saves split as the mix's loops are, and the line prices a split at that
+fraction of the smaller loop's bytes (``_Line.split``; 0.94-1.08 on the TPU, where
+the next mixes landed within 14 MiB of it).
+
 Only a step with one region, a scan running forward and not nested in groups, is
 mixed; the solver's graph keeps one decision per key, so FLOPs and residuals of
 the mix are its plans' per-layer figures weighted by their layers (every free node
@@ -36,6 +47,7 @@ from __future__ import annotations
 
 import warnings
 from collections.abc import Callable, Sequence
+from fractions import Fraction
 from typing import NamedTuple
 
 from optiremat.client.peak.measures import StepMeasure
@@ -107,7 +119,10 @@ def mixed_layers(graph: CostGraph, region: ScanRegion, answer: Solution, solve_a
     over the plans the solver gives between ``answer`` and the plan recomputing least; its
     measured peak sets the line's level for the mixes of its family and last plan, and
     the next round chooses again, until the mix chosen was measured or none is left.
-    Where the next mix's last plan is one measured, it lands where the line says."""
+    Where the next mix's last plan is one measured, it lands where the line says. A mix of
+    two loops far over its line is followed by the answer's saves in the same two loops,
+    which prices what a split holds (``_Line.learn_split``); compiles of both kinds count
+    toward ``MAX_MIX_COMPILES``."""
     least = _least(graph, answer, solve_at)
     if least is None:
         return answer
@@ -117,7 +132,8 @@ def mixed_layers(graph: CostGraph, region: ScanRegion, answer: Solution, solve_a
     plans = _plans_between(answer, solve_at, line, room)
     best: Mix | None = None
     measured: set[tuple[tuple[int, tuple[str, ...]], ...]] = set()
-    for _ in range(MAX_MIX_COMPILES):
+    compiles = 0
+    while compiles < MAX_MIX_COMPILES:
         choice = line.cheapest(plans, budget, best)
         if choice is None:
             break
@@ -125,10 +141,22 @@ def mixed_layers(graph: CostGraph, region: ScanRegion, answer: Solution, solve_a
         if named in measured:
             break
         measured.add(named)
+        compiles += 1
         peak = _measured(measure, region, tuple(
             (layers, frozenset(plan.saved_keys)) for layers, plan in choice))
         if peak is None:
             break
+        if line.unexplained(choice, peak) and compiles < MAX_MIX_COMPILES:
+            # Over its line by half the smaller loop's bytes or more: the level, or a
+            # backend holding a split loop's group again. The answer's own saves split
+            # as the mix's loops are says which, against its one loop measured.
+            compiles += 1
+            k = line.smaller_loop(choice)
+            probe = _measured(measure, region, ((region.length - k, frozenset(
+                answer.saved_keys)), (k, frozenset(answer.saved_keys))))
+            if probe is None:
+                break
+            line.learn_split(k, probe)
         line.learn(choice, peak)
         if peak <= budget:
             best = Mix(choice, peak)
@@ -198,6 +226,11 @@ class _Line:
         phase = BudgetView.of(graph, None).peak_phase()
         head_last = phase is not None and phase.region < 0
         self._first = {False: first, True: first + (self.stacked(least) if head_last else 0)}
+        self.answer = answer
+        # Per byte the smaller of a mix's two loops stacks, what the step holds beyond
+        # the line (``learn_split``): none on CPU, about all of it on a TPU v5e.
+        self.split = Fraction(0)
+        self.split_measured = False
 
     def stacked(self, plan: Solution) -> int:
         """The residual bytes ``plan`` stacks per layer of the scan."""
@@ -226,16 +259,57 @@ class _Line:
         return budget - min(self.level(plan, True) + self.before_last * self.stacked(plan),
                             self.level(plan, False) + self.region.length * self.stacked(plan))
 
+    def held_again(self, loops: Parts) -> int:
+        """What a mix's groups before the last layer alone hold beyond the bytes they
+        stack: where they run as two loops, ``split`` of the smaller loop's."""
+        if len(loops) < 2:
+            return 0
+        (first, plan_first), (second, plan_second) = loops
+        return self.split_bytes(first * self.stacked(plan_first),
+                                second * self.stacked(plan_second))
+
+    def predicted(self, parts: Parts) -> int:
+        """The line's peak of the mix ``parts``."""
+        loops, alone = _loops(parts)
+        return (self.level(loops[-1][1], alone) + self.held_again(loops)
+                + sum(n * self.stacked(plan) for n, plan in loops))
+
+    def unexplained(self, parts: Parts, peak: int) -> bool:
+        """Whether a mix of two loops measured ``peak`` over its line by half its smaller
+        loop's bytes or more, while no split has been measured."""
+        loops, _ = _loops(parts)
+        return (len(loops) == 2 and not self.split_measured
+                and 2 * (peak - self.predicted(parts)) >= min(n * self.stacked(plan)
+                                                              for n, plan in loops) > 0)
+
+    def smaller_loop(self, parts: Parts) -> int:
+        """The layers of the loop of ``parts`` stacking fewer bytes."""
+        loops, _ = _loops(parts)
+        return min(loops, key=lambda part: part[0] * self.stacked(part[1]))[0]
+
+    def learn_split(self, layers: int, peak: int) -> None:
+        """``split`` from the answer's step with its layers in two loops, the second of
+        ``layers`` layers, measured ``peak``: what it measures beyond the answer's one
+        loop, per byte its smaller loop stacks."""
+        assert self.answer.peak_bytes is not None
+        self.split_measured = True
+        stacked = min(layers, self.region.length - layers) * self.stacked(self.answer)
+        if stacked:
+            self.split = Fraction(max(0, peak - self.answer.peak_bytes), stacked)
+
     def learn(self, parts: Parts, peak: int) -> None:
         """The level of ``parts``'s family and last plan before the last layer alone (or
         last plan), from the mix's peak."""
-        alone = parts[-1][0] == 1
-        lines = parts[:-1] if alone else parts
-        key = (alone, tuple(lines[-1][1].saved_keys))
-        level = peak - sum(n * self.stacked(plan) for n, plan in lines)
+        loops, alone = _loops(parts)
+        key = (alone, tuple(loops[-1][1].saved_keys))
+        level = peak - sum(n * self.stacked(plan) for n, plan in loops) - self.held_again(loops)
         # Two mixes of one level can differ by a few KiB (16 KiB a layer on the test
         # stack): the higher stands.
         self._levels[key] = max(level, self._levels.get(key, level))
+
+    def split_bytes(self, first: int, second: int) -> int:
+        """``held_again`` of two loops stacking ``first`` and ``second`` bytes."""
+        return int(self.split * min(first, second))
 
     def cheapest(self, plans: Sequence[Solution], budget: int, best: Mix | None) -> Parts | None:
         """Of the mixes from ``plans`` (leanest first), the one recomputing least that the
@@ -262,13 +336,22 @@ class _Line:
             for j in range(i + 1, len(plans)):
                 for k in range(2, before - 1):
                     consider((before - k) * flops[i] + k * flops[j] + least,
-                             levels[True][j] + (before - k) * stacked[i] + k * stacked[j],
+                             levels[True][j] + (before - k) * stacked[i] + k * stacked[j]
+                             + self.split_bytes((before - k) * stacked[i], k * stacked[j]),
                              ((before - k, lean), (k, plans[j]), tail))
                 for k in range(2, length - 1):
                     consider((length - k) * flops[i] + k * flops[j],
-                             levels[False][j] + (length - k) * stacked[i] + k * stacked[j],
+                             levels[False][j] + (length - k) * stacked[i] + k * stacked[j]
+                             + self.split_bytes((length - k) * stacked[i], k * stacked[j]),
                              ((length - k, lean), (k, plans[j])))
         return None if chosen is None else chosen[2]
+
+
+def _loops(parts: Parts) -> tuple[Parts, bool]:
+    """The groups of ``parts`` before the last layer alone (all of them where it is not
+    alone), which run as loops, and whether it is alone."""
+    alone = parts[-1][0] == 1
+    return (parts[:-1] if alone else parts), alone
 
 
 def _flops(parts: Sequence[tuple[int, Solution]], length: int) -> float:
