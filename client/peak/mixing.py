@@ -146,14 +146,14 @@ def mixed_layers(graph: CostGraph, region: ScanRegion, answer: Solution, solve_a
             (layers, frozenset(plan.saved_keys)) for layers, plan in choice))
         if peak is None:
             break
-        if line.unexplained(choice, peak) and compiles < MAX_MIX_COMPILES:
+        k = line.loop_to_probe(choice, peak)
+        if k is not None and compiles < MAX_MIX_COMPILES:
             # Over its line by half the smaller loop's bytes or more: the level, or a
             # backend holding a split loop's group again. The answer's own saves split
             # as the mix's loops are says which, against its one loop measured.
             compiles += 1
-            k = line.smaller_loop(choice)
-            probe = _measured(measure, region, ((region.length - k, frozenset(
-                answer.saved_keys)), (k, frozenset(answer.saved_keys))))
+            keys = frozenset(answer.saved_keys)
+            probe = _measured(measure, region, ((region.length - k, keys), (k, keys)))
             if probe is None:
                 break
             line.learn_split(k, probe)
@@ -228,9 +228,9 @@ class _Line:
         self._first = {False: first, True: first + (self.stacked(least) if head_last else 0)}
         self.answer = answer
         # Per byte the smaller of a mix's two loops stacks, what the step holds beyond
-        # the line (``learn_split``): none on CPU, about all of it on a TPU v5e.
-        self.split = Fraction(0)
-        self.split_measured = False
+        # the line (``learn_split``; None until measured, priced as 0): none on CPU, about
+        # all of it on a TPU v5e.
+        self.split: Fraction | None = None
 
     def stacked(self, plan: Solution) -> int:
         """The residual bytes ``plan`` stacks per layer of the scan."""
@@ -274,28 +274,25 @@ class _Line:
         return (self.level(loops[-1][1], alone) + self.held_again(loops)
                 + sum(n * self.stacked(plan) for n, plan in loops))
 
-    def unexplained(self, parts: Parts, peak: int) -> bool:
-        """Whether a mix of two loops measured ``peak`` over its line by half its smaller
-        loop's bytes or more, while no split has been measured."""
+    def loop_to_probe(self, parts: Parts, peak: int) -> int | None:
+        """The layers of the smaller loop (by the bytes it stacks) of a mix of two loops
+        that measured ``peak`` over its line by half that loop's bytes or more, while no
+        split has been measured; None otherwise."""
         loops, _ = _loops(parts)
-        return (len(loops) == 2 and not self.split_measured
-                and 2 * (peak - self.predicted(parts)) >= min(n * self.stacked(plan)
-                                                              for n, plan in loops) > 0)
-
-    def smaller_loop(self, parts: Parts) -> int:
-        """The layers of the loop of ``parts`` stacking fewer bytes."""
-        loops, _ = _loops(parts)
-        return min(loops, key=lambda part: part[0] * self.stacked(part[1]))[0]
+        if len(loops) != 2 or self.split is not None:
+            return None
+        layers, smaller = min(((n, n * self.stacked(plan)) for n, plan in loops),
+                              key=lambda loop: loop[1])
+        return layers if 0 < smaller <= 2 * (peak - self.predicted(parts)) else None
 
     def learn_split(self, layers: int, peak: int) -> None:
         """``split`` from the answer's step with its layers in two loops, the second of
         ``layers`` layers, measured ``peak``: what it measures beyond the answer's one
         loop, per byte its smaller loop stacks."""
         assert self.answer.peak_bytes is not None
-        self.split_measured = True
         stacked = min(layers, self.region.length - layers) * self.stacked(self.answer)
-        if stacked:
-            self.split = Fraction(max(0, peak - self.answer.peak_bytes), stacked)
+        self.split = (Fraction(max(0, peak - self.answer.peak_bytes), stacked) if stacked
+                      else Fraction(0))
 
     def learn(self, parts: Parts, peak: int) -> None:
         """The level of ``parts``'s family and last plan before the last layer alone (or
@@ -309,7 +306,7 @@ class _Line:
 
     def split_bytes(self, first: int, second: int) -> int:
         """``held_again`` of two loops stacking ``first`` and ``second`` bytes."""
-        return int(self.split * min(first, second))
+        return int((self.split or 0) * min(first, second))
 
     def cheapest(self, plans: Sequence[Solution], budget: int, best: Mix | None) -> Parts | None:
         """Of the mixes from ``plans`` (leanest first), the one recomputing least that the
