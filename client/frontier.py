@@ -100,8 +100,7 @@ def _refined(graph: CostGraph, regions: Sequence[Region], budgets: Sequence[int]
     """Each budget's plan refined against its own working set (measurements are shared
     between budgets), its scan's layers planned apart where ``measure`` compiles the step;
     a budget no refined plan fits is infeasible, naming the smallest measured peak."""
-    from optiremat.client.peak.mixing import not_mixed, with_layers_apart
-    from optiremat.client.peak.refine import refined_solve
+    from optiremat.client.peak.mixing import refined_and_mixed
 
     def solve_at(b: int) -> Solution:
         return solve(graph, b, options)
@@ -109,16 +108,13 @@ def _refined(graph: CostGraph, regions: Sequence[Region], budgets: Sequence[int]
     def solve_unnested(b: int) -> Solution:  # a mix's plans (``client.peak.mixing``)
         return solve(graph, b, options, nest=False)
 
-    fill = not_mixed(layer_groups, regions, measure)
     results: dict[int, FrontierResult] = {}
     for budget in sorted(set(budgets)):
         try:
-            answer = refined_solve(graph, regions, budget, solve_at, measure, presets, fill)
+            results[budget] = refined_and_mixed(graph, regions, budget, solve_at,
+                                                solve_unnested, measure, presets, layer_groups)
         except InfeasibleBudgetError as err:
             results[budget] = err
-            continue
-        results[budget] = (with_layers_apart(graph, regions, answer, solve_unnested, measure)
-                           if layer_groups else answer)
     return results
 
 

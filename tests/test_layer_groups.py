@@ -236,8 +236,9 @@ def test_a_sweep_with_the_step_at_hand_plans_the_layers_apart(stack, plans):
     assert alone.layer_groups is None
 
 
+@pytest.mark.parametrize("known", [False, True], ids=["learnt", "known_backend"])
 def test_a_backend_holding_a_split_loop_again_is_measured_and_mixes_still_fit(
-        stack, monkeypatch):
+        stack, monkeypatch, known):
     """On a TPU v5e a scan split into two loops holds its smaller loop's stacked residuals
     again (the 8-layer bf16 Llama of ``--accelerator``: 4 + 4 layers with one policy
     1506.55 MiB against 1187.95 in one loop), where on CPU it holds nothing more. Here CPU
@@ -245,7 +246,10 @@ def test_a_backend_holding_a_split_loop_again_is_measured_and_mixes_still_fit(
     that far over its line is followed by one probe, the answer's own saves in two loops,
     and the line prices splits by it: the plan still takes groups, a one-loop mix that
     fits, where pricing the excess into the level alone found none (one policy per stack
-    at 24 MiB, 2.12e8 FLOPs on jax 0.10.2; now 7 + 1 layers, 1.85e8)."""
+    at 24 MiB, 2.12e8 FLOPs on jax 0.10.2; now 7 + 1 layers, 1.85e8). On a backend
+    known to hold it (``known``: here CPU, standing in for a TPU) the probe comes first,
+    the answer's layers halved (then 7 + 1 layers of two plans, three compiles either
+    way)."""
     from optiremat.client.peak import mixing
 
     loss, args = stack
@@ -274,6 +278,8 @@ def test_a_backend_holding_a_split_loop_again_is_measured_and_mixes_still_fit(
     monkeypatch.setattr(mixing._Line, "__init__", capture)
     monkeypatch.setattr(mixing._Line, "cheapest", seen)
     monkeypatch.setattr(mixing, "_measured", held_again)
+    if known:
+        monkeypatch.setattr(mixing, "SPLITS_HELD_AGAIN", frozenset({jax.default_backend()}))
     budget = 24 * MiB
     mixed = optiremat.optimize(loss, *args, budget=budget)
     monkeypatch.undo()
@@ -286,3 +292,5 @@ def test_a_backend_holding_a_split_loop_again_is_measured_and_mixes_still_fit(
     probes = [s for s in splits if len(s) == 2 and all(keys == answer_keys for _, keys in s)]
     assert len(probes) == 1, splits
     assert line.split is not None and abs(line.split - 1) < 0.1, line.split
+    if known:
+        assert splits[0] == probes[0] and [n for n, _ in probes[0]] == [4, 4], splits

@@ -34,7 +34,9 @@ line learns it from the step: where a mix of two loops measures over its line by
 half its smaller loop's bytes or more, one more compile measures the refined
 answer's own saves split as the mix's loops are, and the line prices a split at that
 fraction of the smaller loop's bytes (``_Line.split``; 0.94-1.08 on the TPU, where
-the next mixes landed within 14 MiB of it).
+the next mixes landed within 14 MiB of it). On a backend known to hold it
+(``SPLITS_HELD_AGAIN``: a TPU), that compile comes before the first mix, with the
+answer's layers halved, rather than after a first mix spent over its line.
 
 Only a step with one region, a scan running forward and not nested in groups, is
 mixed; the solver's graph keeps one decision per key, so FLOPs and residuals of
@@ -50,8 +52,10 @@ from collections.abc import Callable, Sequence
 from fractions import Fraction
 from typing import NamedTuple
 
-from optiremat.client.peak.measures import StepMeasure
-from optiremat.client.peak.refine import SolveAt
+import jax
+
+from optiremat.client.peak.measures import PeakMeasure, StepMeasure
+from optiremat.client.peak.refine import SolveAt, refined_solve
 from optiremat.client.peak.regions import Region
 from optiremat.client.peak.scan_region import ScanRegion
 from optiremat.solver.breakdown import residual_parts
@@ -62,6 +66,25 @@ from optiremat.solver.solve import max_useful_budget
 
 # Compiles of mixes, at most.
 MAX_MIX_COMPILES = 4
+
+# Backends found to hold a scan split into two loops' smaller loop again (a TPU v5e,
+# jax 0.10.2: 0.94-1.08 of its stacked bytes). There the split is measured before the
+# first mix, rather than after a first mix is chosen as if splits were free and lands
+# hundreds of MiB over its line.
+SPLITS_HELD_AGAIN = frozenset({"tpu"})
+
+
+def refined_and_mixed(graph: CostGraph, regions: Sequence[Region], budget: int,
+                      solve_at: SolveAt, solve_unnested: SolveAt, measure: PeakMeasure | None,
+                      presets: Sequence[Sequence[bool]], layer_groups: bool) -> Solution:
+    """The plan at ``budget`` refined against ``measure`` (``refine.refined_solve``) and,
+    with ``layer_groups``, its scan's layers planned apart (``with_layers_apart``), whose
+    plans ``solve_unnested`` solves: as ``solve_at`` does, choosing no nesting."""
+    answer = refined_solve(graph, regions, budget, solve_at, measure, presets,
+                           _not_mixed(layer_groups, regions, measure))
+    if not layer_groups:
+        return answer
+    return with_layers_apart(graph, regions, answer, solve_unnested, measure)
 
 
 def with_layers_apart(graph: CostGraph, regions: Sequence[Region], answer: Solution,
@@ -87,7 +110,7 @@ def mixable(regions: Sequence[Region], answer: Solution, measure: object) -> boo
             and answer.peak_bytes is not None and answer.peak_bytes < answer.budget_bytes)
 
 
-def not_mixed(layer_groups: bool, regions: Sequence[Region],
+def _not_mixed(layer_groups: bool, regions: Sequence[Region],
               measure: object) -> Callable[[Solution], bool]:
     """Whether refinement should bisect for room (``refine._Refinement._fill``) under its
     answer so far: not where the answer's layers are mixed next, which fills the budget
@@ -121,8 +144,8 @@ def mixed_layers(graph: CostGraph, region: ScanRegion, answer: Solution, solve_a
     the next round chooses again, until the mix chosen was measured or none is left.
     Where the next mix's last plan is one measured, it lands where the line says. A mix of
     two loops far over its line is followed by the answer's saves in the same two loops,
-    which prices what a split holds (``_Line.learn_split``); compiles of both kinds count
-    toward ``MAX_MIX_COMPILES``."""
+    which prices what a split holds (``_Line.learn_split``; first of all on a backend in
+    ``SPLITS_HELD_AGAIN``); compiles of both kinds count toward ``MAX_MIX_COMPILES``."""
     least = _least(graph, answer, solve_at)
     if least is None:
         return answer
@@ -133,6 +156,10 @@ def mixed_layers(graph: CostGraph, region: ScanRegion, answer: Solution, solve_a
     best: Mix | None = None
     measured: set[tuple[tuple[int, tuple[str, ...]], ...]] = set()
     compiles = 0
+    if jax.default_backend() in SPLITS_HELD_AGAIN and region.length >= 4:
+        compiles += 1
+        if not _learn_split(line, measure, region, region.length // 2):
+            return answer
     while compiles < MAX_MIX_COMPILES:
         choice = line.cheapest(plans, budget, best)
         if choice is None:
@@ -152,11 +179,8 @@ def mixed_layers(graph: CostGraph, region: ScanRegion, answer: Solution, solve_a
             # backend holding a split loop's group again. The answer's own saves split
             # as the mix's loops are says which, against its one loop measured.
             compiles += 1
-            keys = frozenset(answer.saved_keys)
-            probe = _measured(measure, region, ((region.length - k, keys), (k, keys)))
-            if probe is None:
+            if not _learn_split(line, measure, region, k):
                 break
-            line.learn_split(k, probe)
         line.learn(choice, peak)
         if peak <= budget:
             best = Mix(choice, peak)
@@ -165,6 +189,16 @@ def mixed_layers(graph: CostGraph, region: ScanRegion, answer: Solution, solve_a
             # may fit.
             room, plans = now, _plans_between(answer, solve_at, line, now, plans)
     return answer if best is None else _mixed(graph, answer, region, best)
+
+
+def _learn_split(line: _Line, measure: StepMeasure, region: ScanRegion, layers: int) -> bool:
+    """``line.learn_split`` from the answer's own saves in two loops, the second of
+    ``layers`` layers; False where they cannot be placed."""
+    keys = frozenset(line.answer.saved_keys)
+    probe = _measured(measure, region, ((region.length - layers, keys), (layers, keys)))
+    if probe is not None:
+        line.learn_split(layers, probe)
+    return probe is not None
 
 
 def _least(graph: CostGraph, answer: Solution, solve_at: SolveAt) -> Solution | None:

@@ -17,10 +17,10 @@ from optiremat.client.extract import Traced
 from optiremat.client.frameworks import preset_saves
 from optiremat.client.peak.finding import why_no_regions
 from optiremat.client.peak.measures import StepMeasure, step_measure
-from optiremat.client.peak.mixing import not_mixed, with_layers_apart
+from optiremat.client.peak.mixing import refined_and_mixed
 from optiremat.client.peak.offload_fit import fitted_offload
 from optiremat.client.peak.placement import Placement, keeps_barriers, measured_with_barriers
-from optiremat.client.peak.refine import refined_solve, smallest_budget
+from optiremat.client.peak.refine import smallest_budget
 from optiremat.client.peak.regions import Region
 from optiremat.client.peak.step_graph import traced_step_extraction
 from optiremat.client.plan import PeakPlan, PlanError
@@ -120,10 +120,9 @@ def plan_peak(fun: Callable, traced: Traced, args: Sequence, request: PlanReques
     try:
         if measured(request):
             measure = plan_measure()
-            solution = refined_solve(graph, regions, budget_bytes, solve_at, measure, presets,
-                                     fill=not_mixed(request.layer_groups, regions, measure))
-            if request.layer_groups:
-                solution = with_layers_apart(graph, regions, solution, solve_unnested, measure)
+            solution = refined_and_mixed(graph, regions, budget_bytes, solve_at,
+                                         solve_unnested, measure, presets,
+                                         request.layer_groups)
         elif offload_measured(request):
             measure = plan_measure()
             solution = fitted_offload(budget_bytes, solve_at, lambda plan: measure.measured(
