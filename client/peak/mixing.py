@@ -38,6 +38,14 @@ the next mixes landed within 14 MiB of it). On a backend known to hold it
 (``SPLITS_HELD_AGAIN``: a TPU), that compile comes before the first mix, with the
 answer's layers halved, rather than after a first mix spent over its line.
 
+A backend may also hold the last layer alone's saves, in a backward phase of its own.
+On the TPU at 1292.06 MiB, 7 + 1 layers measured 1121.38-1129.45 MiB with the last
+layer saving 80.80 to 144.80 MiB and 1380.01 with it saving what the plan recomputing
+least saves (424.55 MiB). Where a mix with the last layer alone measures over its line
+by half that layer's bytes or more, one compile of the answer's own saves with its last
+layer alone sets the family's level, the mix's excess over it is that phase's level
+(``_Line.tail``), and from then on the last layer may take any plan's saves.
+
 Only a step with one region, a scan running forward and not nested in groups, is
 mixed; the solver's graph keeps one decision per key, so FLOPs and residuals of
 the mix are its plans' per-layer figures weighted by their layers (every free node
@@ -145,7 +153,9 @@ def mixed_layers(graph: CostGraph, region: ScanRegion, answer: Solution, solve_a
     Where the next mix's last plan is one measured, it lands where the line says. A mix of
     two loops far over its line is followed by the answer's saves in the same two loops,
     which prices what a split holds (``_Line.learn_split``; first of all on a backend in
-    ``SPLITS_HELD_AGAIN``); compiles of both kinds count toward ``MAX_MIX_COMPILES``."""
+    ``SPLITS_HELD_AGAIN``), and a mix with its last layer alone far over its line by the
+    answer's saves with the last layer alone, which prices that layer's own phase
+    (``_Line.learn_tail``); compiles of each kind count toward ``MAX_MIX_COMPILES``."""
     least = _least(graph, answer, solve_at)
     if least is None:
         return answer
@@ -169,8 +179,7 @@ def mixed_layers(graph: CostGraph, region: ScanRegion, answer: Solution, solve_a
             break
         measured.add(named)
         compiles += 1
-        peak = _measured(measure, region, tuple(
-            (layers, frozenset(plan.saved_keys)) for layers, plan in choice))
+        peak = _measured(measure, region, _keys(choice))
         if peak is None:
             break
         k = line.loop_to_probe(choice, peak)
@@ -181,6 +190,15 @@ def mixed_layers(graph: CostGraph, region: ScanRegion, answer: Solution, solve_a
             compiles += 1
             if not _learn_split(line, measure, region, k):
                 break
+        if line.tail_to_probe(choice, peak) and compiles < MAX_MIX_COMPILES:
+            # Over its line by half what its last layer alone stacks or more: the level,
+            # or a backend holding that layer's saves in its own backward. The same mix
+            # with its last layer taking its last group's saves says which.
+            compiles += 1
+            probe = _measured(measure, region, _keys(line.with_lighter_tail(choice)))
+            if probe is None:
+                break
+            line.learn_tail(choice, peak, probe)
         line.learn(choice, peak)
         if peak <= budget:
             best = Mix(choice, peak)
@@ -194,15 +212,22 @@ def mixed_layers(graph: CostGraph, region: ScanRegion, answer: Solution, solve_a
 def _learn_split(line: _Line, measure: StepMeasure, region: ScanRegion, layers: int) -> bool:
     """``line.learn_split`` from the answer's own saves in two loops, the second of
     ``layers`` layers; False where they cannot be placed."""
-    keys = frozenset(line.answer.saved_keys)
-    probe = _measured(measure, region, ((region.length - layers, keys), (layers, keys)))
+    answer = line.answer
+    probe = _measured(measure, region, _keys(((region.length - layers, answer),
+                                              (layers, answer))))
     if probe is not None:
         line.learn_split(layers, probe)
     return probe is not None
 
 
+def _keys(parts: Parts) -> tuple[tuple[int, frozenset[str]], ...]:
+    """``parts`` as ``_measured`` takes them: each group's layers and saved keys."""
+    return tuple((layers, frozenset(plan.saved_keys)) for layers, plan in parts)
+
+
 def _least(graph: CostGraph, answer: Solution, solve_at: SolveAt) -> Solution | None:
-    """The plan recomputing least (saving all it may), whose saves the last layer takes;
+    """The plan recomputing least (saving all it may), whose saves the last layer takes
+    (unless it holds them, ``_Line.tail``);
     None where it recomputes no less than ``answer`` or is not a one-policy plan."""
     try:
         least = solve_at(max_useful_budget(graph))
@@ -265,6 +290,13 @@ class _Line:
         # the line (``learn_split``; None until measured, priced as 0): none on CPU, about
         # all of it on a TPU v5e.
         self.split: Fraction | None = None
+        # With the last layer alone, the level of that layer's own backward phase, where
+        # the step holds its saves beside what the layers before it stack (``learn_tail``;
+        # None until measured, the last layer's saves then free). On CPU its backward
+        # runs first and costs nothing; on a TPU v5e (the bf16 stack at 1292.06 MiB) a
+        # last layer saving what the plan recomputing least saves (424.55 MiB) measured
+        # 1380.01 MiB where one saving 80.80 to 144.80 MiB measured 1121.38-1129.45.
+        self.tail: int | None = None
 
     def stacked(self, plan: Solution) -> int:
         """The residual bytes ``plan`` stacks per layer of the scan."""
@@ -305,8 +337,10 @@ class _Line:
     def predicted(self, parts: Parts) -> int:
         """The line's peak of the mix ``parts``."""
         loops, alone = _loops(parts)
-        return (self.level(loops[-1][1], alone) + self.held_again(loops)
-                + sum(n * self.stacked(plan) for n, plan in loops))
+        level = self.level(loops[-1][1], alone)
+        if alone and self.tail is not None:
+            level = max(level, self.tail + self.stacked(parts[-1][1]))
+        return level + self.held_again(loops) + sum(n * self.stacked(plan) for n, plan in loops)
 
     def loop_to_probe(self, parts: Parts, peak: int) -> int | None:
         """The layers of the smaller loop (by the bytes it stacks) of a mix of two loops
@@ -328,12 +362,41 @@ class _Line:
         self.split = (Fraction(max(0, peak - self.answer.peak_bytes), stacked) if stacked
                       else Fraction(0))
 
+    def tail_to_probe(self, parts: Parts, peak: int) -> bool:
+        """Whether ``parts``, with its last layer alone, measured ``peak`` over its line by
+        half what that layer stacks or more, while no ``tail`` has been measured."""
+        stacked = self.stacked(parts[-1][1])
+        return (_loops(parts)[1] and self.tail is None
+                and 0 < stacked <= 2 * (peak - self.predicted(parts)))
+
+    @staticmethod
+    def with_lighter_tail(parts: Parts) -> Parts:
+        """``parts`` (the last layer alone) with the last layer taking the saves of the
+        group before it."""
+        loops, _ = _loops(parts)
+        return (*loops, (1, loops[-1][1]))
+
+    def learn_tail(self, parts: Parts, peak: int, probe: int) -> None:
+        """``tail`` from ``parts`` (the last layer alone) measured ``peak`` and the same
+        mix with a lighter last layer (``with_lighter_tail``) measured ``probe``. The
+        probe sets the level of the mix's family and last plan; the last layer's own
+        phase is at most the mix's peak (where the probe measured as much, the level
+        was the line's, and its phase is under it)."""
+        self.learn(self.with_lighter_tail(parts), probe)
+        loops, _ = _loops(parts)
+        self.tail = (peak - sum(n * self.stacked(plan) for n, plan in loops)
+                     - self.held_again(loops) - self.stacked(parts[-1][1]))
+
     def learn(self, parts: Parts, peak: int) -> None:
         """The level of ``parts``'s family and last plan before the last layer alone (or
-        last plan), from the mix's peak."""
+        last plan), from the mix's peak; or ``tail``, where that phase was the line's."""
         loops, alone = _loops(parts)
         key = (alone, tuple(loops[-1][1].saved_keys))
         level = peak - sum(n * self.stacked(plan) for n, plan in loops) - self.held_again(loops)
+        if (alone and self.tail is not None
+                and self.tail + self.stacked(parts[-1][1]) >= self.level(loops[-1][1], alone)):
+            self.tail = max(self.tail, level - self.stacked(parts[-1][1]))
+            return
         # Two mixes of one level can differ by a few KiB (16 KiB a layer on the test
         # stack): the higher stands.
         self._levels[key] = max(level, self._levels.get(key, level))
@@ -360,16 +423,29 @@ class _Line:
                                                     or (cost, peak) < chosen[:2]):
                 chosen = (cost, peak, parts)
 
-        tail = (1, self.least)
+        # The last layer alone takes what the plan recomputing least saves or, where it
+        # costs a phase of its own (``tail``), any plan's, that phase then a floor under
+        # its family's level.
+        def floor(plan: Solution) -> int:
+            return 0 if self.tail is None else self.tail + self.stacked(plan)
+
+        tails = [(least, self.least, floor(self.least))]
+        if self.tail is not None:
+            tails += [(flops[t], plan, floor(plan)) for t, plan in enumerate(plans)
+                      if plan.saved_keys != self.least.saved_keys]
         for i, lean in enumerate(plans):
-            consider(before * flops[i] + least, levels[True][i] + before * stacked[i],
-                     ((before, lean), tail))
+            for tail_flops, tail, tail_floor in tails:
+                consider(before * flops[i] + tail_flops,
+                         max(levels[True][i], tail_floor) + before * stacked[i],
+                         ((before, lean), (1, tail)))
             for j in range(i + 1, len(plans)):
-                for k in range(2, before - 1):
-                    consider((before - k) * flops[i] + k * flops[j] + least,
-                             levels[True][j] + (before - k) * stacked[i] + k * stacked[j]
-                             + self.split_bytes((before - k) * stacked[i], k * stacked[j]),
-                             ((before - k, lean), (k, plans[j]), tail))
+                for tail_flops, tail, tail_floor in tails:
+                    for k in range(2, before - 1):
+                        consider((before - k) * flops[i] + k * flops[j] + tail_flops,
+                                 max(levels[True][j], tail_floor) + (before - k) * stacked[i]
+                                 + k * stacked[j]
+                                 + self.split_bytes((before - k) * stacked[i], k * stacked[j]),
+                                 ((before - k, lean), (k, plans[j]), (1, tail)))
                 for k in range(2, length - 1):
                     consider((length - k) * flops[i] + k * flops[j],
                              levels[False][j] + (length - k) * stacked[i] + k * stacked[j]
