@@ -42,9 +42,10 @@ A backend may also hold the last layer alone's saves, in a backward phase of its
 On the TPU at 1292.06 MiB, 7 + 1 layers measured 1121.38-1129.45 MiB with the last
 layer saving 80.80 to 144.80 MiB and 1380.01 with it saving what the plan recomputing
 least saves (424.55 MiB). Where a mix with the last layer alone measures over its line
-by half that layer's bytes or more, one compile of the answer's own saves with its last
-layer alone sets the family's level, the mix's excess over it is that phase's level
-(``_Line.tail``), and from then on the last layer may take any plan's saves.
+by half that layer's bytes or more, one compile of the same mix with a lighter last
+layer (the saves of the group before it) sets the family's level, the mix's excess
+over it is that phase's (``_Line.tail``), and from then on the last layer may take any
+plan's saves.
 
 Only a step with one region, a scan running forward and not nested in groups, is
 mixed; the solver's graph keeps one decision per key, so FLOPs and residuals of
@@ -154,7 +155,7 @@ def mixed_layers(graph: CostGraph, region: ScanRegion, answer: Solution, solve_a
     two loops far over its line is followed by the answer's saves in the same two loops,
     which prices what a split holds (``_Line.learn_split``; first of all on a backend in
     ``SPLITS_HELD_AGAIN``), and a mix with its last layer alone far over its line by the
-    answer's saves with the last layer alone, which prices that layer's own phase
+    same mix with a lighter last layer, which prices that layer's own phase
     (``_Line.learn_tail``); compiles of each kind count toward ``MAX_MIX_COMPILES``."""
     least = _least(graph, answer, solve_at)
     if least is None:
@@ -379,9 +380,9 @@ class _Line:
     def learn_tail(self, parts: Parts, peak: int, probe: int) -> None:
         """``tail`` from ``parts`` (the last layer alone) measured ``peak`` and the same
         mix with a lighter last layer (``with_lighter_tail``) measured ``probe``. The
-        probe sets the level of the mix's family and last plan; the last layer's own
-        phase is at most the mix's peak (where the probe measured as much, the level
-        was the line's, and its phase is under it)."""
+        probe sets the level of the mix's family and last plan, and ``tail`` is what the
+        mix measured with its own last layer's bytes: that phase's level where it peaked
+        there, a bound over it where the probe measured as much (the level peaked)."""
         self.learn(self.with_lighter_tail(parts), probe)
         loops, _ = _loops(parts)
         self.tail = (peak - sum(n * self.stacked(plan) for n, plan in loops)
