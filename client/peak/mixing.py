@@ -326,14 +326,11 @@ class _Line:
         return budget - min(self.level(plan, True) + self.before_last * self.stacked(plan),
                             self.level(plan, False) + self.region.length * self.stacked(plan))
 
-    def held_again(self, loops: Parts) -> int:
-        """What a mix's groups before the last layer alone hold beyond the bytes they
-        stack: where they run as two loops, ``split`` of the smaller loop's."""
-        if len(loops) < 2:
-            return 0
-        (first, plan_first), (second, plan_second) = loops
-        return self.split_bytes(first * self.stacked(plan_first),
-                                second * self.stacked(plan_second))
+    def held(self, loops: Parts) -> int:
+        """What a mix's groups before the last layer alone hold: the bytes they stack and,
+        where they run as two loops, ``split`` of the smaller loop's again."""
+        stacked = [n * self.stacked(plan) for n, plan in loops]
+        return sum(stacked) + (self.split_bytes(*stacked) if len(stacked) == 2 else 0)
 
     def predicted(self, parts: Parts) -> int:
         """The line's peak of the mix ``parts``."""
@@ -341,7 +338,7 @@ class _Line:
         level = self.level(loops[-1][1], alone)
         if alone and self.tail is not None:
             level = max(level, self.tail + self.stacked(parts[-1][1]))
-        return level + self.held_again(loops) + sum(n * self.stacked(plan) for n, plan in loops)
+        return level + self.held(loops)
 
     def loop_to_probe(self, parts: Parts, peak: int) -> int | None:
         """The layers of the smaller loop (by the bytes it stacks) of a mix of two loops
@@ -385,15 +382,14 @@ class _Line:
         there, a bound over it where the probe measured as much (the level peaked)."""
         self.learn(self.with_lighter_tail(parts), probe)
         loops, _ = _loops(parts)
-        self.tail = (peak - sum(n * self.stacked(plan) for n, plan in loops)
-                     - self.held_again(loops) - self.stacked(parts[-1][1]))
+        self.tail = peak - self.held(loops) - self.stacked(parts[-1][1])
 
     def learn(self, parts: Parts, peak: int) -> None:
         """The level of ``parts``'s family and last plan before the last layer alone (or
         last plan), from the mix's peak; or ``tail``, where that phase was the line's."""
         loops, alone = _loops(parts)
         key = (alone, tuple(loops[-1][1].saved_keys))
-        level = peak - sum(n * self.stacked(plan) for n, plan in loops) - self.held_again(loops)
+        level = peak - self.held(loops)
         if (alone and self.tail is not None
                 and self.tail + self.stacked(parts[-1][1]) >= self.level(loops[-1][1], alone)):
             self.tail = max(self.tail, level - self.stacked(parts[-1][1]))
@@ -403,7 +399,7 @@ class _Line:
         self._levels[key] = max(level, self._levels.get(key, level))
 
     def split_bytes(self, first: int, second: int) -> int:
-        """``held_again`` of two loops stacking ``first`` and ``second`` bytes."""
+        """What two loops stacking ``first`` and ``second`` bytes hold again."""
         return int((self.split or 0) * min(first, second))
 
     def cheapest(self, plans: Sequence[Solution], budget: int, best: Mix | None) -> Parts | None:
