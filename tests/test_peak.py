@@ -291,27 +291,30 @@ def test_refinement_measures_no_plan_that_cannot_be_the_answer() -> None:
 class _UnderItsPrice:
     """A stand-in for XLA's measurement where every plan peaks ``under`` below its price,
     so that refinement chases each answer to a greater budget. Records what each measured
-    plan recomputes."""
+    plan recomputes and its measured peak."""
 
     graph: CostGraph
     under: int
-    measured: list[int]
+    measured: list[tuple[int, int]]  # (recompute FLOPs, measured peak)
 
     def measure(self, saves, keys, groups) -> tuple[int, int]:
-        self.measured.append(recompute_flops(self.graph, saves))
+        priced = BudgetView.of(self.graph, None).predicted(saves)
+        self.measured.append((recompute_flops(self.graph, saves), priced - self.under))
         return -self.under, 0
 
 
 @pytest.mark.parametrize("share", [0.4, 0.7, 0.95])
 def test_a_solve_recomputing_as_much_as_the_best_plan_is_not_measured(share: float) -> None:
     """A chase to a greater budget whose solve recomputes no less than the plan that
-    fits could only tie with it: not compiled (it was, at each of these budgets), and the
-    answer is the plan that fitted."""
+    fits could only tie with it: not compiled (before, one was at each of these budgets
+    on jax 0.10.2, at two on 0.12.1). The answer is the measured plan recomputing least
+    of those that fit."""
     _, _, _, extracted = _corpus_model("llama_f32_L4")
     g = extracted.graph
     least, most = min_feasible_budget(g), max_useful_budget(g)
     budget = int(least + share * (most - least))
     measure = _UnderItsPrice(g, 1 << 20, [])
     plan = refined_solve(g, extracted.regions, budget, lambda b: solve(g, b), measure)
-    assert len(set(measure.measured)) == len(measure.measured), measure.measured
-    assert plan.recompute_flops == measure.measured[0] == solve(g, budget).recompute_flops
+    flops = [f for f, _ in measure.measured]
+    assert len(set(flops)) == len(flops), measure.measured
+    assert plan.recompute_flops == min(f for f, peak in measure.measured if peak <= budget)
