@@ -27,8 +27,8 @@ than 2% of the budget unused and a solve nearer the budget measured over it, the
 budgets between are bisected (twice at most), so that a plan priced between two
 solves is not missed. Each round is one solve and at most one compile
 (measurements are remembered), never a compile per candidate of the MILP; none
-where the solve recomputes more than the best plan measured so far, which it
-cannot beat. A
+where the solve recomputes no less than the best plan measured so far, which it
+cannot beat (at equal FLOPs, only tie on a lower peak). A
 budget the solver's price of its smallest plan misses by a few bytes is answered
 with that plan when it fits as measured. The smallest feasible
 budget an infeasible one names is the smallest budget refinement plans, found
@@ -192,7 +192,7 @@ class _Refinement:
     def _attempt(self, shift: int, bracketing: bool = False) -> tuple[Solution, int] | None:
         """The plan solved at ``budget - shift``, measured, and how much more its peak is
         than the solver priced it; kept when it fits and is best. None when the solver
-        stopped before a plan, or when it recomputes more than the best plan so far and
+        stopped before a plan, or when it recomputes no less than the best plan so far and
         is not ``bracketing`` (measured for where the plans that fit begin, ``_fill``)."""
         self.tried.add(shift)
         answer = self.solve_at(self.budget - shift)
