@@ -23,6 +23,7 @@ from optiremat.client.planfile import PlanFile, PlanFileError, load_plan
 from optiremat.client.planning import PlanRequest, optimize
 from optiremat.client.plot import plot_frontier
 from optiremat.client.policy import KeyPolicy
+from optiremat.client.rates import measured_save_price
 from optiremat.client.remote import RematClient
 from optiremat.client.schedule import ScheduleWarning
 from optiremat.client.sharding import ShardingError
@@ -55,6 +56,7 @@ __all__ = [
     "extract_step",
     "load_plan",
     "measured_peak",
+    "measured_save_price",
     "memory_budget",
     "optimize",
     "plot_frontier",

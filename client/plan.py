@@ -272,10 +272,12 @@ class PeakPlan(Plan):
     # would measure under the other where they differ (``client.schedule``).
     schedule: str = field(default="process", kw_only=True)
     schedule_note: str = field(default="", kw_only=True)
+    # Where a plan asked for with ``save_price=`` was planned (``client.peak.priced``).
+    price_note: str = field(default="", kw_only=True)
 
     def explain(self) -> str:
-        text = super().explain()
-        return f"{text}\n\n{self.schedule_note}" if self.schedule_note else text
+        return "\n\n".join(filter(None, (super().explain(), self.schedule_note,
+                                          self.price_note)))
 
     @property
     def groups(self) -> tuple[int, ...]:

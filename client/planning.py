@@ -9,8 +9,10 @@ the residual planner below (one checkpoint's residuals, a ``ResidualPlan``).
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from fractions import Fraction
 from typing import Any, Literal
 
 import jax
@@ -51,6 +53,7 @@ class PlanRequest:
     layer_groups: bool = True  # a scan's layers may be planned apart (client.peak.mixing)
     schedule: Schedule = "process"  # the compile the budget holds under (client.schedule)
     saveable: Saveable = Saveable()  # what the plan may save (client.frameworks)
+    save_price: Fraction | None = None  # FLOPs per saved byte (client.peak.priced)
 
     @classmethod
     def of(cls, budget: int | str, tie: bool, keywords: dict[str, Any]) -> PlanRequest:
@@ -64,6 +67,7 @@ class PlanRequest:
             raise PlanError(f"layer_groups= takes True or False, not {layer_groups!r}")
         if saveable.framework is not None:
             options = _as_framework_takes(saveable.framework, options, layer_groups)
+        save_price = _save_price(options.pop("save_price", None), memory, options)
         schedule = options.pop("schedule", "process")
         if schedule not in SCHEDULES:
             raise PlanError(f"schedule= takes one of {', '.join(map(repr, SCHEDULES))}, not "
@@ -71,7 +75,8 @@ class PlanRequest:
         return cls(budget=budget, memory=memory,
                    step=step, tie=tie, refine=refine, auto=auto,
                    options=_solve_options(options), scopes=_scopes(scopes, memory),
-                   layer_groups=layer_groups, schedule=schedule, saveable=saveable)
+                   layer_groups=layer_groups, schedule=schedule, saveable=saveable,
+                   save_price=save_price)
 
     @property
     def offload(self) -> bool:
@@ -101,6 +106,24 @@ def _as_framework_takes(framework: Framework, options: dict[str, Any],
         raise PlanError(f"saveable={framework.key!r}: {framework.title} does not nest a "
                         "stack's layers in rematerialised groups (nest=True)")
     return {**options, "nest": False}
+
+
+def _save_price(price: object, memory: Memory, options: dict[str, Any]) -> Fraction | None:
+    """``optimize(..., save_price=)``: FLOPs per saved byte, a finite number >= 0."""
+    if price is None:
+        return None
+    if (isinstance(price, bool) or not isinstance(price, int | float | Fraction)
+            or not math.isfinite(price) or price < 0):
+        raise PlanError(f"save_price= takes the FLOPs one saved byte costs, a finite number "
+                        f">= 0 (optiremat.measured_save_price() reads it off the device), "
+                        f"not {price!r}")
+    if memory != Memory.PEAK:
+        raise PlanError("save_price= prices the saves of the training step: it needs "
+                        "memory='peak'")
+    if options.get("offload") is not None:
+        raise PlanError("save_price= and offload= cannot be combined: an offload plan is "
+                        "priced in estimated seconds already (OffloadOptions' rates)")
+    return Fraction(price)
 
 
 def _scopes(regions: object, memory: Memory) -> tuple[str, ...]:
@@ -135,6 +158,10 @@ def optimize(fun: Callable, *args, budget: int | str, memory: Literal["peak", "r
     A refined plan may give the last layers of a ``lax.scan`` more saves than the
     first, where one policy per stack would leave the budget unused
     (``client.peak.mixing``; ``layer_groups=False`` keeps one policy per stack).
+    ``save_price`` (FLOPs per saved byte; ``measured_save_price()`` reads this device's)
+    asks for the plan within the budget minimising recompute FLOPs plus that price per
+    byte saved, where a step's time follows the bytes it moves (``client.peak.priced``):
+    it may peak well under the budget.
     A peak plan's budget holds for ``jax.jit(step)`` compiled as this process compiles
     by default (``schedule="process"``); where that compile merges checkpointed blocks
     of straight-line code back into the forward pass (jax 0.10 on CPU),

@@ -217,6 +217,16 @@ def test_peak_plans_travel_and_come_back_the_same(remote: RematClient) -> None:
     assert plan.verify(fun, *args).exact
 
 
+def test_priced_plans_are_priced_the_same_through_the_server(remote: RematClient) -> None:
+    """``save_price``'s budgets are solved on the server, each as the local solve is."""
+    fun, args = PEAK_CORPUS[0].build()
+    local = optiremat.optimize(fun, *args, budget="80MiB", save_price=200, time_limit_s=20.0)
+    plan = remote.optimize(fun, *args, budget="80MiB", save_price=200, time_limit_s=20.0)
+    assert plan.peak_bytes == local.peak_bytes and plan.budget_bytes == local.budget_bytes
+    assert plan.solution.fingerprint() == local.solution.fingerprint()
+    assert plan.explain().endswith(local.price_note) and local.price_note
+
+
 # A client process where OR-Tools cannot be imported: it plans a peak budget through the
 # server and prints what it planned, and what a local solve says.
 NO_ORTOOLS_SCRIPT = textwrap.dedent("""

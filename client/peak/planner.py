@@ -20,6 +20,7 @@ from optiremat.client.peak.measures import StepMeasure, step_measure
 from optiremat.client.peak.mixing import refined_and_mixed
 from optiremat.client.peak.offload_fit import fitted_offload
 from optiremat.client.peak.placement import Placement, keeps_barriers, measured_with_barriers
+from optiremat.client.peak.priced import priced_budget, priced_note
 from optiremat.client.peak.refine import smallest_budget
 from optiremat.client.peak.regions import Region
 from optiremat.client.peak.step_graph import traced_step_extraction
@@ -80,7 +81,7 @@ def plan_peak(fun: Callable, traced: Traced, args: Sequence, request: PlanReques
     if not request.tie:
         raise PlanError("peak plans are tied by policy key: pass tie=True, or plan "
                         "residuals with memory='residuals', tie=False")
-    budget_bytes = request.budget_bytes(traced)
+    budget_bytes = asked = request.budget_bytes(traced)
     # An offload plan may offload each layer's input too: it is named for the policy.
     extracted = traced_step_extraction(traced, args, request.step,
                                        name=getattr(fun, "__qualname__", ""),
@@ -89,10 +90,15 @@ def plan_peak(fun: Callable, traced: Traced, args: Sequence, request: PlanReques
     graph, options, regions = extracted.graph, request.tied(), extracted.regions
 
     def _plan(solution: Solution, note: str) -> PeakPlan:
+        # A priced plan answers the budget asked, and says where it was planned.
+        price_note = ""
+        if request.save_price is not None:
+            solution = solution.model_copy(update={"budget_bytes": asked})
+            price_note = priced_note(request.save_price, asked, budget_bytes, solution)
         return PeakPlan(graph, solution, traced, options,
                         key_aliases=extracted.extraction.key_aliases,
                         checkpoint_names=extracted.extraction.names_by_key, placement=placement,
-                        schedule=request.schedule, schedule_note=note)
+                        schedule=request.schedule, schedule_note=note, price_note=price_note)
 
     def solve_at(budget: int) -> Solution:
         return solve_fn(graph, budget, options)
@@ -118,11 +124,22 @@ def plan_peak(fun: Callable, traced: Traced, args: Sequence, request: PlanReques
     # process compiles, and says what it would measure with the barriers kept.
     for_merged = merges_blocks(regions) and request.schedule == "process" and measured(request)
     try:
+        if request.save_price is not None:
+            budget_bytes = priced_budget(budget_bytes, solve_at, request.save_price)
         if measured(request):
             measure = plan_measure()
-            solution = refined_and_mixed(graph, regions, budget_bytes, solve_at,
-                                         solve_unnested, measure, presets,
-                                         request.layer_groups)
+            try:
+                solution = refined_and_mixed(graph, regions, budget_bytes, solve_at,
+                                             solve_unnested, measure, presets,
+                                             request.layer_groups)
+            except InfeasibleBudgetError:
+                if budget_bytes == asked:
+                    raise
+                # No plan measured within the cheapest's budget: the budget's own plan.
+                budget_bytes = asked
+                solution = refined_and_mixed(graph, regions, budget_bytes, solve_at,
+                                             solve_unnested, measure, presets,
+                                             request.layer_groups)
         elif offload_measured(request):
             measure = plan_measure()
             solution = fitted_offload(budget_bytes, solve_at, lambda plan: measure.measured(
