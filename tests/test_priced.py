@@ -98,3 +98,19 @@ def test_the_measured_price_is_a_positive_number_of_flops():
     price = optiremat.measured_save_price(rounds=1)
     assert math.isfinite(price) and price > 0
     assert PlanRequest.of(1, True, {"save_price": price}).save_price == Fraction(price)
+
+
+def test_where_no_plan_measures_within_the_cheapests_budget_the_budgets_own_is_planned(
+        stack, monkeypatch):
+    """A stand-in search names a budget under every plan: refinement there finds none,
+    and the plan is the one by FLOPs at the budget asked, saying so."""
+    from optiremat.client.peak import planner
+
+    loss, args, _, low, top = stack
+    budget = (low + top) // 2
+    monkeypatch.setattr(planner, "priced_budget", lambda b, solve_at, price: low // 2)
+    plan = optiremat.optimize(loss, *args, budget=budget, save_price=60)
+    by_flops = optiremat.optimize(loss, *args, budget=budget)
+    assert plan.budget_bytes == budget
+    assert plan.solution.fingerprint() == by_flops.solution.fingerprint()
+    assert "was planned at the budget" in plan.explain()
