@@ -31,6 +31,7 @@ from layer_groups import (  # noqa: E402
     BUILTINS,
     MiB,
     builtin_step,
+    models,
     stack_options,
     step_of,
     timed,
@@ -39,29 +40,6 @@ from layer_groups import (  # noqa: E402
 
 import optiremat  # noqa: E402
 from optiremat.client.step import forget_compiled_memory  # noqa: E402
-from tests.lm_models import CORPUS as LM_CORPUS  # noqa: E402
-from tests.peak_models import CORPUS as PEAK_CORPUS  # noqa: E402
-from tests.peak_models import llama  # noqa: E402
-
-
-def models(accelerator: bool, quick: bool):
-    """The accelerator's stack; or the issue's stack, the scan corpus's Llama and ViT and
-    the LM corpus's V8k (those whose CPU step times disagreed with FLOPs)."""
-    if accelerator:
-        import jax.numpy as jnp
-        yield "llama bf16 L8 (D 1024, FFN 2816, 16/4 heads, B 8, T 512)", llama(
-            layers=8, d=1024, ffn=2816, heads=16, kv_heads=4, batch=8, seq=512,
-            dtype=jnp.bfloat16)
-        return
-    yield "llama f32 L8 (issue 39: D 256, B 4, T 256)", llama(layers=8, batch=4, seq=256)
-    if quick:
-        return
-    for model in PEAK_CORPUS:
-        if model.name in ("llama_f32_L8", "vit_L12"):
-            yield model.name, model.build()
-    for lm in LM_CORPUS:
-        if lm.name == "lm_V8k":
-            yield lm.name, lm.build()
 
 
 def planned(loss, args, budget: int, price: float | None):
@@ -88,7 +66,8 @@ def main() -> None:
     prices = {f"priced x{m:g}": price * m for m in ns.prices}
     print(f"measured save price: {price:.1f} FLOPs a saved byte")
     ratios: dict[str, list[float]] = {label: [] for label in prices}
-    for name, (loss, args) in models(ns.accelerator, ns.quick):
+    # The models of bench/layer_groups.py: those whose CPU step times disagreed with FLOPs.
+    for name, (loss, args) in models(ns.quick, ns.accelerator):
         if ns.at:
             budgets = [int(b * MiB) for b in ns.at]
         else:
