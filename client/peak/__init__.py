@@ -16,9 +16,14 @@ call goes through it (``planner.plan_peak``):
   under one policy;
 * the solve: ``solver.peak`` prices every phase of the step, ``solver.nesting``
   adds nested groups of layers (``solver.solve``, local or a server's);
+* ``priced``: with ``save_price``, the budget whose plan has the least recompute
+  FLOPs plus the price of its saved bytes (the solver's plans at a grid of budgets);
 * ``measures``: a plan's peak measured (the whole step compiled with it, or one
   layer per region);
 * ``refine``: the plan fitted to its measured peak, and to JAX's built-ins and
   the user's names as measured; the smallest budget it plans;
+* ``mixing``: a scan's layers planned apart, in groups taking different plans'
+  saves, where that fits as measured (``layer_groups`` runs the groups); with
+  offload, ``offload_fit`` fits the plan to its measured device peak instead;
 * ``planner``: the above in order, answered as a ``client.plan.PeakPlan``.
 """
