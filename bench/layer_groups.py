@@ -101,12 +101,13 @@ def xla_flops_per_trip(loss, args, plan, compiled) -> float:
                for _, layers, keys in plan.layer_groups) / length
 
 
-def plan_at(loss, args, budget, layer_groups):
+def plan_at(loss, args, budget, layer_groups, **options):
     # Timed from cold caches (JAX's and the planner's), as a fresh process would plan.
     jax.clear_caches()
     forget_compiled_memory()
     start = time.perf_counter()
-    plan = optiremat.optimize(loss, *args, budget=budget, layer_groups=layer_groups)
+    plan = optiremat.optimize(loss, *args, budget=budget, layer_groups=layer_groups,
+                              **options)
     seconds = time.perf_counter() - start
     compiled = step_of(plan.apply(loss), args)
     return plan, optiremat.measured_peak(compiled), seconds, compiled
@@ -117,6 +118,16 @@ def builtin_step(loss, args, plan, name):
     placement: Placement = plan.placement
     policy = getattr(jax.checkpoint_policies, name)
     return step_of(placement.apply(loss, policy), args)
+
+
+def best_builtin(loss, args, plan, budget: int) -> dict:
+    """The built-in per layer saving most (the last of ``BUILTINS``) whose step, placed
+    as ``plan`` is, fits ``budget`` as measured: {its name: its compiled step}, or {}."""
+    for name in reversed(BUILTINS):
+        compiled = builtin_step(loss, args, plan, name)
+        if optiremat.measured_peak(compiled) <= budget:
+            return {name: compiled}
+    return {}
 
 
 def timed(steps: dict, args, rounds: int = 15) -> dict:
@@ -210,13 +221,8 @@ def main() -> None:
                   f"{mixed.recompute_flops:9.3g} {groups:>5} | {ratio:6.3f} {xla:6.3f} "
                   f"| {mixed_s / one_s:5.2f} (predicted {same} measured)")
             if ns.time:
-                steps = {"layer groups": mixed_c, "one policy": one_c}
-                for builtin in BUILTINS:
-                    compiled = builtin_step(loss, args, mixed, builtin)
-                    if optiremat.measured_peak(compiled) <= budget:
-                        steps[builtin] = compiled
-                fitting = [b for b in BUILTINS if b in steps]
-                steps = {k: v for k, v in steps.items() if k not in fitting[:-1]}
+                steps = {"layer groups": mixed_c, "one policy": one_c,
+                         **best_builtin(loss, args, mixed, budget)}
                 for label, (median, lo, hi) in timed(steps, args).items():
                     print(f"{'':9}   step time {label}: {median:.1f} ms ({lo:.1f}-{hi:.1f})")
     count = len(tally["fill"])

@@ -20,7 +20,6 @@ from __future__ import annotations
 import argparse
 import statistics
 import sys
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -28,10 +27,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import jax  # noqa: E402
 from layer_groups import (  # noqa: E402
-    BUILTINS,
     MiB,
-    builtin_step,
+    best_builtin,
     models,
+    plan_at,
     stack_options,
     step_of,
     timed,
@@ -39,17 +38,6 @@ from layer_groups import (  # noqa: E402
 )
 
 import optiremat  # noqa: E402
-from optiremat.client.step import forget_compiled_memory  # noqa: E402
-
-
-def planned(loss, args, budget: int, price: float | None):
-    """The plan (from cold caches), its compiled step and the seconds it took to plan."""
-    jax.clear_caches()
-    forget_compiled_memory()
-    start = time.perf_counter()
-    plan = optiremat.optimize(loss, *args, budget=budget, save_price=price)
-    seconds = time.perf_counter() - start
-    return plan, step_of(plan.apply(loss), args), seconds
 
 
 def main() -> None:
@@ -79,16 +67,12 @@ def main() -> None:
             print(f"budget {budget / MiB:.2f} MiB")
             steps = {}
             for label, p in {"flops": None, **prices}.items():
-                plan, compiled, seconds = planned(loss, args, budget, p)
-                peak = optiremat.measured_peak(compiled)
+                plan, peak, seconds, compiled = plan_at(loss, args, budget, True, save_price=p)
                 steps[label] = compiled
                 print(f"  {label:>11}: {peak / MiB:8.2f} MiB, {plan.recompute_flops:9.3g} FLOPs, "
                       f"{xla_flops(compiled, 'bytes accessed') / MiB:9.1f} MiB accessed, "
                       f"planned in {seconds:.1f} s")
-            fitting = [b for b in BUILTINS
-                       if optiremat.measured_peak(builtin_step(loss, args, plan, b)) <= budget]
-            if fitting:
-                steps[fitting[-1]] = builtin_step(loss, args, plan, fitting[-1])
+            steps.update(best_builtin(loss, args, plan, budget))
             times = timed(steps, args, ns.rounds)
             for label, (median, lo, hi) in times.items():
                 print(f"  step {label}: {median:.1f} ms ({lo:.1f}-{hi:.1f})")
