@@ -62,7 +62,10 @@ def priced_budget(budget: int, solve_at: SolveAt, price: Fraction) -> int:
                 break  # no plan below is cheaper
         high = min(budget, cheapest.solved_at + step)
         low = max(low, cheapest.solved_at - step)
-    return budget if cheapest.solved_at == budget else _fits_at(cheapest.plan)
+    if cheapest.solved_at == budget:
+        return budget
+    assert cheapest.plan.peak_bytes is not None, "a peak plan's solve prices its peak"
+    return cheapest.plan.peak_bytes
 
 
 class _Cheapest:
@@ -90,11 +93,6 @@ class _Cheapest:
                 self.cost, self.plan, self.solved_at = cost, plan, budget
         flops = self._flops[budget]
         return flops is not None and self.cost is not None and flops < self.cost
-
-
-def _fits_at(plan: Solution) -> int:
-    """The least budget ``plan`` is an answer at, as the solver priced it."""
-    return plan.peak_bytes if plan.peak_bytes is not None else plan.residual_bytes
 
 
 def priced_note(price: Fraction, asked: int, planned_at: int, plan: Solution) -> str:
