@@ -10,6 +10,7 @@ the arguments, the gradients, less the outputs that reuse donated arguments.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import hashlib
 import os
@@ -23,6 +24,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from optiremat.client import memory_cache
 from optiremat.client.cost_model import aval_bytes
 from optiremat.client.hlo_collectives import collectives
 from optiremat.client.schedule import memory_compile_options
@@ -105,7 +107,8 @@ def host_buffers_apart() -> bool:
 
 # Memory of programs compiled in this process, by program text: planning compiles the step
 # under the plan it answers, and ``verify(peak=True)``, a second ``optimize`` of the same
-# function or a frontier's neighbouring budgets compile the same program again.
+# function or a frontier's neighbouring budgets compile the same program again. Processes
+# to come read them from disk where a cache folder is set (``client.memory_cache``).
 _PEAKS: OrderedDict[tuple[str, str, bool], StepMemoryAnalysis] = OrderedDict()
 MAX_REMEMBERED_PEAKS = 1024
 
@@ -113,18 +116,41 @@ MAX_REMEMBERED_PEAKS = 1024
 def lowered_memory(lowered: jax.stages.Lowered,
                    keep_barriers: bool = False) -> StepMemoryAnalysis:
     """XLA's memory analysis of ``lowered`` compiled (``compiled_for_memory``); a program
-    this process compiled already (the same StableHLO text on the same platform) is not
-    compiled again, and one compiling ahead (``compile_ahead``) is waited for."""
+    this process compiled already (the same StableHLO text on the same platform), or one
+    kept in the cache folder (``client.memory_cache``), is not compiled again, and one
+    compiling ahead (``compile_ahead``) is waited for."""
     key = _program_key(lowered, keep_barriers)
     if key in _PEAKS:
         _PEAKS.move_to_end(key)
         return _PEAKS[key]
     ahead = _AHEAD.pop(key, None)
     analysis = (ahead.result() if ahead is not None
-                else StepMemoryAnalysis.of(compiled_for_memory(lowered, keep_barriers)))
+                else _kept(key, keep_barriers) or _compiled(lowered, key, keep_barriers))
+    _remember(key, analysis)
+    return analysis
+
+
+def _remember(key: tuple[str, str, bool], analysis: StepMemoryAnalysis) -> None:
     _PEAKS[key] = analysis
     if len(_PEAKS) > MAX_REMEMBERED_PEAKS:
         _PEAKS.popitem(last=False)
+
+
+def _kept(key: tuple[str, str, bool], keep_barriers: bool) -> StepMemoryAnalysis | None:
+    """The analysis a process kept on disk (``client.memory_cache``), if any."""
+    fields = memory_cache.read(memory_cache.entry_name(key[1], _memory_options(keep_barriers)))
+    try:
+        return StepMemoryAnalysis(**fields) if fields is not None else None
+    except TypeError:  # an entry of other fields: a miss
+        return None
+
+
+def _compiled(lowered: jax.stages.Lowered, key: tuple[str, str, bool],
+              keep_barriers: bool) -> StepMemoryAnalysis:
+    """``lowered`` compiled for its memory analysis, kept on disk where a cache is set."""
+    options = _memory_options(keep_barriers)
+    analysis = StepMemoryAnalysis.of(lowered.compile(options))
+    memory_cache.write(memory_cache.entry_name(key[1], options), dataclasses.asdict(analysis))
     return analysis
 
 
@@ -147,9 +173,11 @@ def compile_ahead(lowered: jax.stages.Lowered, keep_barriers: bool = False) -> N
     key = _program_key(lowered, keep_barriers)
     if key in _PEAKS or key in _AHEAD:
         return
-    options = _memory_options(keep_barriers)  # its schedule probe compiles on this thread
-    _AHEAD[key] = _workers().submit(
-        lambda: StepMemoryAnalysis.of(lowered.compile(options)))
+    kept = _kept(key, keep_barriers)  # its schedule probe compiles on this thread
+    if kept is not None:
+        _remember(key, kept)
+        return
+    _AHEAD[key] = _workers().submit(_compiled, lowered, key, keep_barriers)
 
 
 def _program_key(lowered: jax.stages.Lowered, keep_barriers: bool) -> tuple[str, str, bool]:
@@ -159,7 +187,8 @@ def _program_key(lowered: jax.stages.Lowered, keep_barriers: bool) -> tuple[str,
 
 def forget_compiled_memory() -> None:
     """Forget the memory of every program compiled so far (``lowered_memory``): for a
-    benchmark timing planning as a fresh process would."""
+    benchmark timing planning as a fresh process would (one that reads what the cache
+    folder keeps, where ``OPTIREMAT_CACHE_DIR`` is set: ``client.memory_cache``)."""
     for ahead in _AHEAD.values():
         ahead.cancel()
     _AHEAD.clear()

@@ -8,12 +8,18 @@ the longest go out first.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator
 
 import pytest
 
+from optiremat.client.memory_cache import CACHE_DIR_ENV
 from optiremat.client.remote import RematClient
 from tests.service_harness import Server, running_server
+
+# Every test compiles what it measures: a cache folder set where the suite runs would hand
+# it another process's figures (tests/test_memory_cache.py sets its own).
+os.environ.pop(CACHE_DIR_ENV, None)
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:

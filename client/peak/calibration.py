@@ -87,13 +87,12 @@ def _working_set(region: Region, saved_keys: frozenset[str] | None) -> tuple[int
 def _measure(region: Region, saved_keys: frozenset[str] | None) -> tuple[int, int]:
     """The working set XLA holds, and the widened copies within it the graph prices."""
     from optiremat.client.extract import graph_of_traced, trace
-    from optiremat.client.step import compiled_for_memory, memory_analysis
+    from optiremat.client.step import lowered_memory
     from optiremat.solver.step import StepMemory
 
     program, args, flags = region.calibration_program(saved_keys, _policy)
-    compiled = compiled_for_memory(jax.jit(jax.grad(program)).lower(*args),
-                                   keep_barriers=isinstance(region, BlockRegion))
-    temp = memory_analysis(compiled).temp_size_in_bytes
+    temp = lowered_memory(jax.jit(jax.grad(program)).lower(*args),
+                          keep_barriers=isinstance(region, BlockRegion)).temp_bytes
     # Extracted as a step's graph is (``step_memory`` given), so that it prices the same
     # widened copies of stacked half floats.
     graph = graph_of_traced(trace(program, args, {}), step=True, differentiated=flags,
