@@ -10,6 +10,11 @@ refinement, mixing, ...). Plans are for this process's own compile
 (``schedule="process"``, the default). The ratio is the wall time of ``optimize`` over the
 one compile.
 
+Then, with what that process compiled kept in a cache folder (``OPTIREMAT_CACHE_DIR``,
+``client.memory_cache``), two more fresh processes: one plans at the same budget again
+(a training script launched again), one halfway from that budget to the no-remat peak
+(the next budget of a sweep). Their ratios are over the same one compile.
+
     .venv/bin/python bench/plan_time.py [--models NAME ...]
 """
 
@@ -17,13 +22,18 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import shutil
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from optiremat.client.memory_cache import CACHE_DIR_ENV  # noqa: E402
 
 # The share of the no-remat peak each model is planned at (the issue's figure).
 SHARE = 0.6
@@ -94,12 +104,20 @@ def _by_phase(callers: list[list[str]], seconds: list[float]) -> dict[str, list[
     return phases
 
 
-def _in_fresh_process(*argv: str) -> dict:
+def _in_fresh_process(*argv: str, cache: str | None = None) -> dict:
+    """One figure from a fresh process; ``cache``: the folder it keeps compiles in."""
+    env = {k: v for k, v in os.environ.items() if k != CACHE_DIR_ENV}
+    if cache is not None:
+        env[CACHE_DIR_ENV] = cache
     done = subprocess.run([sys.executable, __file__, *argv], capture_output=True, text=True,
-                          check=False)
+                          check=False, env=env)
     if done.returncode != 0:
         raise RuntimeError(f"{' '.join(argv)} failed:\n{done.stderr[-2000:]}")
     return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def _plan_in_fresh_process(name: str, budget: int, cache: str) -> dict:
+    return _in_fresh_process("--one", "plan", name, "--budget", str(budget), cache=cache)
 
 
 def main() -> None:
@@ -121,25 +139,34 @@ def main() -> None:
     print(f"jax {jax.__version__}, {jax.devices()[0].device_kind}; each figure from a fresh "
           f"process; plans at {SHARE}x the no-remat peak")
     print(f"{'model':>24} | {'one compile':>11} | {'budget MiB':>10} | {'optimize':>8} | "
-          f"{'compiles (s)':>13} | ratio")
-    ratios = {}
+          f"{'compiles (s)':>13} | ratio | cached: again, next budget")
+    ratios: dict[str, list[float]] = {"cold": [], "again": [], "next budget": []}
     for name in names:
         step = _in_fresh_process("--one", "compile", name)
         budget = int(step["peak"] * SHARE)
-        planned = _in_fresh_process("--one", "plan", name, "--budget", str(budget))
-        smallest = " (smallest)" if "smallest" in planned else ""
-        if smallest:
-            planned = _in_fresh_process("--one", "plan", name,
-                                        "--budget", str(planned["smallest"]))
-        ratios[name] = planned["seconds"] / step["seconds"]
+        with tempfile.TemporaryDirectory() as cache:
+            planned = _plan_in_fresh_process(name, budget, cache)
+            smallest = " (smallest)" if "smallest" in planned else ""
+            if smallest:  # planned cold at the smallest budget, none of the refusal's kept
+                budget = planned["smallest"]
+                shutil.rmtree(cache)
+                os.mkdir(cache)
+                planned = _plan_in_fresh_process(name, budget, cache)
+            again = _plan_in_fresh_process(name, budget, cache)
+            following = _plan_in_fresh_process(name, (budget + step["peak"]) // 2, cache)
+        cached = []
+        for label, figure in (("cold", planned), ("again", again), ("next budget", following)):
+            ratios[label].append(figure["seconds"] / step["seconds"])
+            cached.append(f"{ratios[label][-1]:.2f}x ({figure['compiles']})")
         compiles = f"{planned['compiles']:3d} ({planned['compile_seconds']:5.1f} s)"
-        print(f"{name:>24} | {step['seconds']:9.2f} s | {planned['budget'] / 2**20:10.2f} | "
-              f"{planned['seconds']:6.2f} s | {compiles} | {ratios[name]:.2f}x{smallest}")
+        print(f"{name:>24} | {step['seconds']:9.2f} s | {budget / 2**20:10.2f} | "
+              f"{planned['seconds']:6.2f} s | {compiles} | {cached[0]}{smallest} | "
+              f"{cached[1]}, {cached[2]}")
         print(f"{'':>24}   compiles for " + ", ".join(
             f"{phase} {n} ({took:.1f} s)" for phase, (n, took) in planned["phases"].items()))
-    print(f"\n## time to plan over one compile: {min(ratios.values()):.2f}x .. "
-          f"{max(ratios.values()):.2f}x; within 2x on {sum(r <= 2 for r in ratios.values())}/"
-          f"{len(ratios)}")
+    for label, found in ratios.items():
+        print(f"\n## time to plan over one compile, {label}: {min(found):.2f}x .. "
+              f"{max(found):.2f}x; within 2x on {sum(r <= 2 for r in found)}/{len(found)}")
 
 
 if __name__ == "__main__":
