@@ -13,7 +13,7 @@ import jax.numpy as jnp
 import pytest
 
 import optiremat
-from optiremat.client import memory_cache
+from optiremat.client import memory_cache, schedule
 from optiremat.client.peak import calibration
 from optiremat.client.step import Step, _memory_options, forget_compiled_memory, lowered_memory
 from tests.peak_models import small_llama
@@ -94,12 +94,13 @@ def test_a_damaged_entry_is_compiled_again_and_written_whole(folder, damage):
 
 def test_each_set_of_compile_options_has_its_own_entry(folder):
     lowered = _lowered()
+    # Keeping checkpoint barriers takes options only where this process's compile would
+    # merge them (client.schedule: jax 0.10's CPU backend; its probe may keep entries too).
+    options = {json.dumps(_memory_options(keep), sort_keys=True) for keep in (False, True)}
+    before = set(folder.glob("*.json"))
     for keep_barriers in (False, True):
         lowered_memory(lowered, keep_barriers=keep_barriers)
-    # Keeping checkpoint barriers takes options only where this process's compile would
-    # merge them (client.schedule: jax 0.10's CPU backend).
-    options = {json.dumps(_memory_options(keep), sort_keys=True) for keep in (False, True)}
-    assert len(list(folder.glob("*.json"))) == len(options)
+    assert len(set(folder.glob("*.json")) - before) == len(options)
     assert memory_cache.entry_name("f" * 64, {}) != memory_cache.entry_name("f" * 64,
                                                                             {"an option": "1"})
 
@@ -142,3 +143,14 @@ def test_a_plan_made_again_in_a_fresh_process_compiles_nothing(folder):
     assert first.count > 0 and again.count == 0
     assert replanned.solution.fingerprint() == plan.solution.fingerprint()
     assert replanned.peak_bytes == plan.peak_bytes
+
+
+def test_the_schedule_probe_compiled_once_is_read_back(folder):
+    """``barriers_kept``'s probe compiles under the process's default options: an entry of
+    its own, read back by the next process."""
+    with _Compiles() as first:
+        temp = schedule._probe_temp_bytes(True)
+    with _Compiles() as again:
+        assert schedule._probe_temp_bytes(True) == temp
+    assert (first.count, again.count) == (1, 0)
+    assert len(list(folder.glob("*.json"))) == 1
