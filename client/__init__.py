@@ -9,6 +9,7 @@ from optiremat.client.errors import ConnectionFailed, ProblemError, RemoteError
 from optiremat.client.extract import ExtractionError, extract_graph
 from optiremat.client.frontier import Frontier, sweep
 from optiremat.client.keys import policy_key
+from optiremat.client.memory_cache import CacheWarning
 from optiremat.client.peak.placement import PlacementError
 from optiremat.client.peak.step_graph import extract_step
 from optiremat.client.plan import (
@@ -31,6 +32,7 @@ from optiremat.client.step import StepError, measured_peak
 
 __all__ = [
     "BudgetError",
+    "CacheWarning",
     "ConnectionFailed",
     "ExtractionError",
     "Frontier",

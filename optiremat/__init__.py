@@ -37,6 +37,7 @@ from optiremat.solver import min_feasible_budget as _priced_min_feasible_budget
 if TYPE_CHECKING:
     from optiremat.client import (
         BudgetError,
+        CacheWarning,
         ConnectionFailed,
         ExtractionError,
         Frontier,
@@ -72,6 +73,7 @@ if TYPE_CHECKING:
 __all__ = [
     "SCHEMA_VERSION",
     "BudgetError",
+    "CacheWarning",
     "ConnectionFailed",
     "CostGraph",
     "Decision",

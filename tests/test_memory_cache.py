@@ -112,11 +112,11 @@ def test_a_folder_that_cannot_be_written_warns_once_and_compiles(tmp_path, monke
     memory_cache._WARNED.discard(str(blocked))
     _as_a_fresh_process()
     lowered = _lowered()
-    with pytest.warns(memory_cache.CacheWarning, match=memory_cache.CACHE_DIR_ENV):
+    with pytest.warns(optiremat.CacheWarning, match=memory_cache.CACHE_DIR_ENV):
         analysis = lowered_memory(lowered)
     _as_a_fresh_process()
     with warnings.catch_warnings():
-        warnings.simplefilter("error", memory_cache.CacheWarning)
+        warnings.simplefilter("error", optiremat.CacheWarning)
         assert lowered_memory(lowered) == analysis
     _as_a_fresh_process()
 
