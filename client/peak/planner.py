@@ -128,18 +128,19 @@ def plan_peak(fun: Callable, traced: Traced, args: Sequence, request: PlanReques
             budget_bytes = priced_budget(budget_bytes, solve_at, request.save_price)
         if measured(request):
             measure = plan_measure()
+
+            def refined(at: int) -> Solution:
+                return refined_and_mixed(graph, regions, at, solve_at, solve_unnested,
+                                         measure, presets, request.layer_groups)
+
             try:
-                solution = refined_and_mixed(graph, regions, budget_bytes, solve_at,
-                                             solve_unnested, measure, presets,
-                                             request.layer_groups)
+                solution = refined(budget_bytes)
             except InfeasibleBudgetError:
                 if budget_bytes == asked:
                     raise
                 # No plan measured within the cheapest's budget: the budget's own plan.
                 budget_bytes = asked
-                solution = refined_and_mixed(graph, regions, budget_bytes, solve_at,
-                                             solve_unnested, measure, presets,
-                                             request.layer_groups)
+                solution = refined(budget_bytes)
         elif offload_measured(request):
             measure = plan_measure()
             solution = fitted_offload(budget_bytes, solve_at, lambda plan: measure.measured(
