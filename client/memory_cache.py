@@ -83,12 +83,16 @@ def write(name: str, fields: Mapping[str, int]) -> None:
     folder = cache_dir()
     if folder is None:
         return
+    partial = None
     try:
         folder.mkdir(parents=True, exist_ok=True)
         with tempfile.NamedTemporaryFile("w", dir=folder, suffix=".tmp", delete=False) as f:
+            partial = f.name
             json.dump(dict(fields), f)
-        os.replace(f.name, folder / name)
+        os.replace(partial, folder / name)
     except OSError as err:
+        if partial is not None:  # a full disk, say: no half-written file is left behind
+            Path(partial).unlink(missing_ok=True)
         if str(folder) not in _WARNED:
             _WARNED.add(str(folder))
             warnings.warn(f"{CACHE_DIR_ENV}={folder} cannot be written "
