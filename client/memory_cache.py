@@ -62,7 +62,7 @@ def entry_name(program_hash: str, options: Mapping[str, object] | None) -> str:
     return hashlib.sha256(described.encode()).hexdigest() + ".json"
 
 
-def read(name: str) -> dict[str, int] | None:
+def kept_figures(name: str) -> dict[str, int] | None:
     """The figures kept under ``name``; None where there are none, or none readable."""
     folder = cache_dir()
     if folder is None:
@@ -77,7 +77,7 @@ def read(name: str) -> dict[str, int] | None:
     return fields
 
 
-def write(name: str, fields: Mapping[str, int]) -> None:
+def keep_figures(name: str, fields: Mapping[str, int]) -> None:
     """Keep ``fields`` under ``name``: written whole or not at all (a reader in another
     process never sees half a file)."""
     folder = cache_dir()

@@ -34,7 +34,7 @@ from typing import Literal
 import jax
 import jax.numpy as jnp
 
-from optiremat.client import memory_cache
+from optiremat.client.memory_cache import entry_name, keep_figures, kept_figures
 from optiremat.solver.units import format_bytes
 
 # The pass that removes checkpoint barriers, and how to disable it for one compile.
@@ -74,14 +74,14 @@ def _probe_temp_bytes(checkpointed: bool) -> int:
     x = jax.ShapeDtypeStruct((64, 32), jnp.float32)
     lowered = jax.jit(jax.grad(loss)).lower(ws, x)
     # Under the process's default options: a cache entry of its own (``client.memory_cache``).
-    entry = memory_cache.entry_name(hashlib.sha256(lowered.as_text().encode()).hexdigest(),
+    entry = entry_name(hashlib.sha256(lowered.as_text().encode()).hexdigest(),
                                     None)
-    kept = memory_cache.read(entry)
+    kept = kept_figures(entry)
     if kept is not None and "temp_bytes" in kept:
         return kept["temp_bytes"]
     analysis = lowered.compile().memory_analysis()
     temp = 0 if analysis is None else int(analysis.temp_size_in_bytes)
-    memory_cache.write(entry, {"temp_bytes": temp})
+    keep_figures(entry, {"temp_bytes": temp})
     return temp
 
 

@@ -24,9 +24,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from optiremat.client import memory_cache
 from optiremat.client.cost_model import aval_bytes
 from optiremat.client.hlo_collectives import collectives
+from optiremat.client.memory_cache import entry_name, keep_figures, kept_figures
 from optiremat.client.schedule import memory_compile_options
 from optiremat.solver.errors import OptirematError
 
@@ -138,7 +138,7 @@ def _remember(key: tuple[str, str, bool], analysis: StepMemoryAnalysis) -> None:
 
 def _kept(key: tuple[str, str, bool], keep_barriers: bool) -> StepMemoryAnalysis | None:
     """The analysis a process kept on disk (``client.memory_cache``), if any."""
-    fields = memory_cache.read(memory_cache.entry_name(key[1], _memory_options(keep_barriers)))
+    fields = kept_figures(entry_name(key[1], _memory_options(keep_barriers)))
     try:
         return StepMemoryAnalysis(**fields) if fields is not None else None
     except TypeError:  # an entry of other fields: a miss
@@ -150,7 +150,7 @@ def _compiled(lowered: jax.stages.Lowered, key: tuple[str, str, bool],
     """``lowered`` compiled for its memory analysis, kept on disk where a cache is set."""
     options = _memory_options(keep_barriers)
     analysis = StepMemoryAnalysis.of(lowered.compile(options))
-    memory_cache.write(memory_cache.entry_name(key[1], options), dataclasses.asdict(analysis))
+    keep_figures(entry_name(key[1], options), dataclasses.asdict(analysis))
     return analysis
 
 
