@@ -54,6 +54,12 @@ def cache_dir() -> Path | None:
     return Path(folder) if folder else None
 
 
+def program_hash(lowered: jax.stages.Lowered) -> str:
+    """The hash of ``lowered``'s StableHLO text: what names a program, in this process's
+    memory (``client.step``) and in the folder's entries."""
+    return hashlib.sha256(lowered.as_text().encode()).hexdigest()
+
+
 def entry_name(program_hash: str, options: Mapping[str, object] | None) -> str:
     """The file name of the analysis of the program whose StableHLO text hashes to
     ``program_hash``, compiled with ``options`` in this process's environment."""

@@ -28,13 +28,12 @@ are all there and the peak is still the no-remat one.)
 from __future__ import annotations
 
 import functools
-import hashlib
 from typing import Literal
 
 import jax
 import jax.numpy as jnp
 
-from optiremat.client.memory_cache import entry_name, keep_figures, kept_figures
+from optiremat.client.memory_cache import entry_name, keep_figures, kept_figures, program_hash
 from optiremat.solver.units import format_bytes
 
 # The pass that removes checkpoint barriers, and how to disable it for one compile.
@@ -74,8 +73,7 @@ def _probe_temp_bytes(checkpointed: bool) -> int:
     x = jax.ShapeDtypeStruct((64, 32), jnp.float32)
     lowered = jax.jit(jax.grad(loss)).lower(ws, x)
     # Under the process's default options: a cache entry of its own (``client.memory_cache``).
-    entry = entry_name(hashlib.sha256(lowered.as_text().encode()).hexdigest(),
-                                    None)
+    entry = entry_name(program_hash(lowered), None)
     kept = kept_figures(entry)
     if kept is not None and "temp_bytes" in kept:
         return kept["temp_bytes"]

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import hashlib
 import os
 from collections import Counter, OrderedDict
 from collections.abc import Callable, Sequence
@@ -26,7 +25,7 @@ import numpy as np
 
 from optiremat.client.cost_model import aval_bytes
 from optiremat.client.hlo_collectives import collectives
-from optiremat.client.memory_cache import entry_name, keep_figures, kept_figures
+from optiremat.client.memory_cache import entry_name, keep_figures, kept_figures, program_hash
 from optiremat.client.schedule import memory_compile_options
 from optiremat.solver.errors import OptirematError
 
@@ -181,8 +180,7 @@ def compile_ahead(lowered: jax.stages.Lowered, keep_barriers: bool = False) -> N
 
 
 def _program_key(lowered: jax.stages.Lowered, keep_barriers: bool) -> tuple[str, str, bool]:
-    return (jax.default_backend(), hashlib.sha256(lowered.as_text().encode()).hexdigest(),
-            keep_barriers)
+    return (jax.default_backend(), program_hash(lowered), keep_barriers)
 
 
 def forget_compiled_memory() -> None:
