@@ -123,8 +123,11 @@ def lowered_memory(lowered: jax.stages.Lowered,
         _PEAKS.move_to_end(key)
         return _PEAKS[key]
     ahead = _AHEAD.pop(key, None)
-    analysis = (ahead.result() if ahead is not None
-                else _kept(key, keep_barriers) or _compiled(lowered, key, keep_barriers))
+    if ahead is not None:
+        analysis = ahead.result()
+    else:
+        entry = _entry(key, keep_barriers)
+        analysis = _kept(entry) or _compiled(lowered, keep_barriers, entry)
     _remember(key, analysis)
     return analysis
 
@@ -135,21 +138,26 @@ def _remember(key: tuple[str, str, bool], analysis: StepMemoryAnalysis) -> None:
         _PEAKS.popitem(last=False)
 
 
-def _kept(key: tuple[str, str, bool], keep_barriers: bool) -> StepMemoryAnalysis | None:
-    """The analysis a process kept on disk (``client.memory_cache``), if any."""
-    fields = kept_figures(entry_name(key[1], _memory_options(keep_barriers)))
+def _entry(key: tuple[str, str, bool], keep_barriers: bool) -> str:
+    """The program's cache entry (``client.memory_cache``): its text, its options."""
+    return entry_name(key[1], _memory_options(keep_barriers))
+
+
+def _kept(entry: str) -> StepMemoryAnalysis | None:
+    """The analysis a process kept on disk under ``entry``, if any."""
+    fields = kept_figures(entry)
     try:
         return StepMemoryAnalysis(**fields) if fields is not None else None
     except TypeError:  # an entry of other fields: a miss
         return None
 
 
-def _compiled(lowered: jax.stages.Lowered, key: tuple[str, str, bool],
-              keep_barriers: bool) -> StepMemoryAnalysis:
-    """``lowered`` compiled for its memory analysis, kept on disk where a cache is set."""
-    options = _memory_options(keep_barriers)
-    analysis = StepMemoryAnalysis.of(lowered.compile(options))
-    keep_figures(entry_name(key[1], options), dataclasses.asdict(analysis))
+def _compiled(lowered: jax.stages.Lowered, keep_barriers: bool,
+              entry: str) -> StepMemoryAnalysis:
+    """``lowered`` compiled for its memory analysis, kept under ``entry`` where a cache
+    folder is set."""
+    analysis = StepMemoryAnalysis.of(compiled_for_memory(lowered, keep_barriers))
+    keep_figures(entry, dataclasses.asdict(analysis))
     return analysis
 
 
@@ -172,11 +180,12 @@ def compile_ahead(lowered: jax.stages.Lowered, keep_barriers: bool = False) -> N
     key = _program_key(lowered, keep_barriers)
     if key in _PEAKS or key in _AHEAD:
         return
-    kept = _kept(key, keep_barriers)  # its schedule probe compiles on this thread
+    entry = _entry(key, keep_barriers)  # its schedule probe compiles on this thread
+    kept = _kept(entry)
     if kept is not None:
         _remember(key, kept)
         return
-    _AHEAD[key] = _workers().submit(_compiled, lowered, key, keep_barriers)
+    _AHEAD[key] = _workers().submit(_compiled, lowered, keep_barriers, entry)
 
 
 def _program_key(lowered: jax.stages.Lowered, keep_barriers: bool) -> tuple[str, str, bool]:
