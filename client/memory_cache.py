@@ -60,10 +60,11 @@ def program_hash(lowered: jax.stages.Lowered) -> str:
     return hashlib.sha256(lowered.as_text().encode()).hexdigest()
 
 
-def entry_name(program_hash: str, options: Mapping[str, object] | None) -> str:
+def entry_name(text_hash: str, options: Mapping[str, object] | None) -> str:
     """The file name of the analysis of the program whose StableHLO text hashes to
-    ``program_hash``, compiled with ``options`` in this process's environment."""
-    described = json.dumps([FORMAT, program_hash, sorted((options or {}).items()),
+    ``text_hash`` (``program_hash``), compiled with ``options`` in this process's
+    environment."""
+    described = json.dumps([FORMAT, text_hash, sorted((options or {}).items()),
                             _environment()], default=str)
     return hashlib.sha256(described.encode()).hexdigest() + ".json"
 
