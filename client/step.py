@@ -41,8 +41,8 @@ class StepError(OptirematError, ValueError):
 # checks it). Elsewhere the defaults stand: on a TPU v5e (jax 0.10.2, the bf16 Llama stack
 # of bench/layer_groups.py --accelerator under five policies) the backend optimisation level
 # 0 and LLVM's cheap passes kept every figure but saved no time (4.3-5.0 s and 3.5-4.8 s a
-# compile against 3.2-5.4), and optimization_level O0 or exec_time_optimization_effort -1 compiled 3-4x
-# faster but moved the temporaries by 158-269 MiB, differently per policy.
+# compile against 3.2-5.4), and optimization_level O0 or exec_time_optimization_effort -1
+# compiled 3-4x faster but moved the temporaries by 158-269 MiB, differently per policy.
 MEMORY_ONLY_OPTIONS: dict[str, str | bool] = {"xla_backend_optimization_level": "0"}
 
 
