@@ -13,8 +13,9 @@ their end, slow jobs cancelled while they run, job listings and reads, and bad i
 
 Prints the 5xx count (must be 0), the RSS of the API process and of its worker
 processes after a warm-up (the first tenth of the run) and at the end (growth must
-stay under 10%), the cached answer's p50/p99 (p99 at most 20 ms) and the store's
-size on disk at the end against its bound.
+stay under 10%), the cached answer's p50/p99 (p99 at most 20 ms), how long a
+cancel of a slow job took to answer (p50 and the slowest: the solve stops and hands
+back its best plan first) and the store's size on disk at the end against its bound.
 """
 
 from __future__ import annotations
@@ -81,6 +82,7 @@ class Tally:
     by_action: Counter[str] = field(default_factory=Counter)
     unexpected: list[str] = field(default_factory=list)
     requests: int = 0
+    cancel_ms: list[float] = field(default_factory=list)  # DELETE's round trip, answered
 
     @property
     def server_errors(self) -> int:
@@ -151,7 +153,11 @@ class Client:
             "options": {"tie": False, "time_limit_s": 5}})
         if submitted.status_code in (200, 202):
             await asyncio.sleep(self.rnd.uniform(0.05, 0.5))
-            await self.send("DELETE", f"/v1/jobs/{submitted.json()['id']}", expect=(200,))
+            started = time.monotonic()
+            cancelled = await self.send("DELETE", f"/v1/jobs/{submitted.json()['id']}",
+                                        expect=(200,))
+            if cancelled.status_code == 200:
+                self.tally.cancel_ms.append((time.monotonic() - started) * 1000)
 
     async def bad(self) -> None:
         kind = self.rnd.randrange(4)
@@ -280,6 +286,9 @@ async def soak(server: Server, args: argparse.Namespace, work: list[Workload]) -
         print(f"cached answer under that load: p50 {percentile(cached_ms, 0.5):.1f} ms, "
               f"p99 {percentile(cached_ms, 0.99):.1f} ms (n={len(cached_ms)}, one each "
               f"{PROBE_EVERY_S * 1000:.0f} ms after warm-up; p99 must be at most 20 ms)")
+    if tally.cancel_ms:
+        print(f"cancel of a slow job: p50 {percentile(tally.cancel_ms, 0.5):.1f} ms, slowest "
+              f"{max(tally.cancel_ms):.1f} ms (n={len(tally.cancel_ms)}, queued or running)")
     print(f"store at the end: {store / 1024:.0f} KiB on disk, bound {bound / 1024:.0f} KiB "
           f"({100 * store / bound:.0f}%), {evicted:.0f} entries evicted")
 
