@@ -9,7 +9,6 @@ the residual planner below (one checkpoint's residuals, a ``ResidualPlan``).
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from fractions import Fraction
@@ -21,6 +20,7 @@ from pydantic import ValidationError
 from optiremat.client.budget import resolve_budget, split_auto_keywords
 from optiremat.client.extract import Traced, graph_of_traced, trace
 from optiremat.client.frameworks import Framework, Saveable
+from optiremat.client.peak.priced import price_problem
 from optiremat.client.plan import (
     OFFLOAD_DST,
     Plan,
@@ -112,17 +112,15 @@ def _save_price(price: object, memory: Memory, options: dict[str, Any]) -> Fract
     """``optimize(..., save_price=)``: FLOPs per saved byte, a finite number >= 0."""
     if price is None:
         return None
-    if (isinstance(price, bool) or not isinstance(price, int | float | Fraction)
-            or not math.isfinite(price) or price < 0):
-        raise PlanError(f"save_price= takes the FLOPs one saved byte costs, a finite number "
-                        f">= 0 (optiremat.measured_save_price() reads it off the device), "
-                        f"not {price!r}")
+    if (problem := price_problem(price)) is not None:
+        raise PlanError(problem)
     if memory != Memory.PEAK:
         raise PlanError("save_price= prices the saves of the training step: it needs "
                         "memory='peak'")
     if options.get("offload") is not None:
         raise PlanError("save_price= and offload= cannot be combined: an offload plan is "
                         "priced in estimated seconds already (OffloadOptions' rates)")
+    assert isinstance(price, int | float | Fraction)
     return Fraction(price)
 
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from fractions import Fraction
 from pathlib import Path
 from typing import Any
 
@@ -26,6 +27,7 @@ from optiremat.client.frontier import (
     lever_floors,
     sweep,
 )
+from optiremat.client.peak.priced import cheapest_priced, price_problem
 from optiremat.solver.baselines import BUILTIN_POLICIES
 
 FORMATS = (".png", ".svg")
@@ -33,8 +35,12 @@ _MARKERS = dict(zip(BUILTIN_POLICIES, "sD^v", strict=True))
 
 
 def plot_frontier(frontier: Frontier, path: str | Path, *,
-                  builtins: Mapping[str, PolicyPoint] | None = None, title: str = "") -> Path:
-    """Draw ``frontier`` (and ``builtins``) into ``path``; returns the path written.
+                  builtins: Mapping[str, PolicyPoint] | None = None, title: str = "",
+                  save_price: float | Fraction | None = None) -> Path:
+    """Draw ``frontier`` (and ``builtins``) into ``path``; returns the path written. With
+    ``save_price`` (FLOPs per saved byte) the plan of least recompute FLOPs + price x
+    saved bytes is marked (``client.peak.priced.cheapest_priced``): where
+    ``optimize(..., save_price=)`` plans at every budget from its bytes up.
 
     (Long on purpose: one figure, drawn top to bottom as matplotlib builds it.)"""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
@@ -44,6 +50,8 @@ def plot_frontier(frontier: Frontier, path: str | Path, *,
     path = Path(path)
     if path.suffix.lower() not in FORMATS:
         raise ValueError(f"write the plot as .png or .svg, not {path.name!r}")
+    if save_price is not None and (problem := price_problem(save_price)) is not None:
+        raise ValueError(problem)
     fig = Figure(figsize=(7.5, 4.8), layout="constrained")
     FigureCanvasAgg(fig)
     ax = fig.add_subplot()
@@ -58,6 +66,10 @@ def plot_frontier(frontier: Frontier, path: str | Path, *,
 
     def cost(p: FrontierPoint) -> float:
         return timed.of_plan(p) if timed else p.recompute_flops or 0
+
+    if save_price is not None and timed:
+        raise ValueError("save_price= marks a plan by recompute FLOPs and saved bytes; an "
+                         "offload frontier is priced in estimated seconds already")
 
     if plans:
         xs = [(p.memory_bytes or 0) / scale for p in plans]
@@ -81,6 +93,11 @@ def plot_frontier(frontier: Frontier, path: str | Path, *,
         else:
             ax.plot([(p.memory_bytes or 0) / scale for p in pareto], [cost(p) for p in pareto],
                     "o", color="tab:blue", markersize=5)
+    priced = None if save_price is None else cheapest_priced(plans, Fraction(save_price))
+    if priced is not None:
+        ax.plot((priced.memory_bytes or 0) / scale, cost(priced), "*", color="tab:orange",
+                markersize=13, linestyle="none",
+                label=f"least FLOPs + {float(save_price or 0):.3g} x saved bytes")
     if frontier.min_feasible_budget is not None:
         ax.axvspan(0, frontier.min_feasible_budget / scale, color="0.92", zorder=0,
                    label="below the smallest feasible budget")
@@ -162,7 +179,8 @@ def _si(x: float) -> str:
 
 
 def plot_function(fun: Callable, *args: Any, path: str | Path, points: int = DEFAULT_POINTS,
-                  memory: str = "peak", **options: Any) -> Path:
+                  memory: str = "peak", save_price: float | Fraction | None = None,
+                  **options: Any) -> Path:
     """Extract ``fun``, sweep ``points`` budgets locally, price the built-ins, and plot:
     peaks of the training step by default (plans and the built-ins applied per layer
     with their own working sets measured, ``client.peak.refine``, and a scan's layers
@@ -172,7 +190,10 @@ def plot_function(fun: Callable, *args: Any, path: str | Path, points: int = DEF
     ``offload=OffloadOptions(...)`` the plans use all three levers and the plot is
     peak bytes against estimated step time. With ``saveable=`` (peak budgets) the plans
     are ``optimize(..., saveable=)``'s, names only, and the markers are the framework's
-    presets (or JAX's built-ins as names)."""
+    presets (or JAX's built-ins as names). ``save_price`` marks the plan a priced
+    ``optimize`` takes (``plot_frontier``)."""
+    if save_price is not None and (problem := price_problem(save_price)) is not None:
+        raise ValueError(problem)  # before the sweep's compiles, not after them
     from optiremat.client.extract import extract_graph
     from optiremat.client.frameworks import Saveable, preset_saves
     from optiremat.client.peak.measures import step_measure
@@ -212,4 +233,4 @@ def plot_function(fun: Callable, *args: Any, path: str | Path, points: int = DEF
                   presets=list(presets.values()), layer_groups=saveable.framework is None,
                   **options)
     title = getattr(fun, "__qualname__", "") or graph.name
-    return plot_frontier(swept, path, builtins=builtins, title=title)
+    return plot_frontier(swept, path, builtins=builtins, title=title, save_price=save_price)

@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import struct
+from fractions import Fraction
 from pathlib import Path
 
 import pytest
 
 import optiremat
 from optiremat.client.frontier import builtin_points, graph_builtin_points, spaced_budgets, sweep
+from optiremat.client.peak.priced import cheapest_priced, priced_cost
 from optiremat.client.plot import plot_frontier, plot_function
 from optiremat.solver.solve import max_useful_budget, min_feasible_budget
 from tests.models import CORPUS
@@ -48,7 +50,7 @@ def image_size(path: Path) -> tuple[int, int]:
 
 def test_plot_is_a_valid_png_or_svg(tmp_path: Path) -> None:
     fun, args = CORPUS["scan_stack"]
-    png = plot_function(fun, *args, path=tmp_path / "frontier.png", points=4)
+    png = plot_function(fun, *args, path=tmp_path / "frontier.png", points=4, save_price=1.0)
     width, height = image_size(png)
     assert (width, height) == (900, 576)  # 7.5 x 4.8 inches at 120 dpi
 
@@ -60,3 +62,35 @@ def test_plot_is_a_valid_png_or_svg(tmp_path: Path) -> None:
 
     with pytest.raises(ValueError, match=r"\.png or \.svg"):
         plot_frontier(sweep(graph, count=2), tmp_path / "frontier.pdf")
+
+
+def test_the_priced_plan_is_marked_where_recompute_and_saved_bytes_cost_least(
+        tmp_path: Path) -> None:
+    fun, args = CORPUS["transformer_block"]
+    graph = optiremat.extract_graph(fun, *args)
+    frontier = sweep(graph, count=6)
+    plans = frontier.plans
+    # Free saves: the plan recomputing least (of those, the fewest bytes); saves dearer
+    # than any FLOP: the plan saving least.
+    free = cheapest_priced(plans, Fraction(0))
+    assert free is not None and free.recompute_flops == min(p.recompute_flops or 0
+                                                            for p in plans)
+    assert free.residual_bytes == min(p.residual_bytes or 0 for p in plans
+                                      if p.recompute_flops == free.recompute_flops)
+    dear = cheapest_priced(plans, Fraction(10**12))
+    assert dear is not None and dear.residual_bytes == min(p.residual_bytes or 0 for p in plans)
+    # At a price between: no plan costs less than the one marked.
+    flops = {p.budget_bytes: p.recompute_flops or 0 for p in plans}
+    price = Fraction(max(flops.values()), 2 * max(p.residual_bytes or 0 for p in plans))
+    chosen = cheapest_priced(plans, price)
+    assert chosen is not None
+    assert all(priced_cost(chosen, price) <= priced_cost(p, price) for p in plans)
+
+    svg = plot_frontier(frontier, tmp_path / "priced.svg", save_price=0.5)
+    assert "least FLOPs + 0.5 x saved bytes" in svg.read_text()
+    for bad in (-1, float("nan"), "cheap", True):
+        with pytest.raises(ValueError, match=r"save_price= takes the FLOPs one saved byte"):
+            plot_frontier(frontier, tmp_path / "bad.svg", save_price=bad)  # type: ignore[arg-type]
+        with pytest.raises(ValueError, match=r"save_price= takes the FLOPs one saved byte"):
+            plot_function(fun, *args, path=tmp_path / "bad.svg", save_price=bad)  # type: ignore[arg-type]
+    assert not (tmp_path / "bad.svg").exists()

@@ -21,11 +21,14 @@ where that fits.
 
 from __future__ import annotations
 
+import math
+from collections.abc import Sequence
 from fractions import Fraction
 
 from optiremat.client.peak.refine import SolveAt
 from optiremat.solver.solution import InfeasibleBudgetError, Solution
 from optiremat.solver.units import format_bytes
+from optiremat.solver.wire import FrontierPoint
 
 # The budgets solved: a grid of GRID from the smallest plan's budget to the user's, then
 # GRID // 2 more between the cheapest's neighbours. A scan's frontier creeps down in
@@ -35,9 +38,30 @@ from optiremat.solver.units import format_bytes
 GRID = 16
 
 
-def priced_cost(plan: Solution, price: Fraction) -> Fraction:
+def price_problem(price: object) -> str | None:
+    """What is wrong with ``price`` as a ``save_price=`` (FLOPs per saved byte, a finite
+    number >= 0), or None: the words ``optimize`` and the plot raise."""
+    if (isinstance(price, bool) or not isinstance(price, int | float | Fraction)
+            or not math.isfinite(price) or price < 0):
+        return (f"save_price= takes the FLOPs one saved byte costs, a finite number >= 0 "
+                f"(optiremat.measured_save_price() reads it off the device), not {price!r}")
+    return None
+
+
+def priced_cost(plan: Solution | FrontierPoint, price: Fraction) -> Fraction:
     """What ``save_price`` minimises: recompute FLOPs plus ``price`` per residual byte."""
+    assert plan.recompute_flops is not None and plan.residual_bytes is not None
     return plan.recompute_flops + price * plan.residual_bytes
+
+
+def cheapest_priced(points: Sequence[FrontierPoint], price: Fraction) -> FrontierPoint | None:
+    """Of a frontier's points, the plan of least ``priced_cost`` (of equal cost, the one of
+    fewer bytes): where ``optimize(..., save_price=price)`` plans at every budget from
+    that point's up (within the step of ``priced_budget``'s grid); None where no point has
+    a plan."""
+    plans = [p for p in points
+             if p.recompute_flops is not None and p.residual_bytes is not None]
+    return min(plans, key=lambda p: (priced_cost(p, price), p.memory_bytes or 0), default=None)
 
 
 def priced_budget(budget: int, solve_at: SolveAt, price: Fraction) -> int:
