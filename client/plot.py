@@ -39,8 +39,8 @@ def plot_frontier(frontier: Frontier, path: str | Path, *,
                   save_price: float | Fraction | None = None) -> Path:
     """Draw ``frontier`` (and ``builtins``) into ``path``; returns the path written. With
     ``save_price`` (FLOPs per saved byte) the plan of least recompute FLOPs + price x
-    saved bytes is marked (``client.peak.priced.cheapest_priced``): where
-    ``optimize(..., save_price=)`` plans at every budget from its bytes up.
+    saved bytes is marked (``client.peak.priced.cheapest_priced``): where a priced
+    ``optimize`` plans at budgets from its bytes up, to within the frontier's spacing.
 
     (Long on purpose: one figure, drawn top to bottom as matplotlib builds it.)"""
     from matplotlib.backends.backend_agg import FigureCanvasAgg

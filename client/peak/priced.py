@@ -56,9 +56,9 @@ def priced_cost(plan: Solution | FrontierPoint, price: Fraction) -> Fraction:
 
 def cheapest_priced(points: Sequence[FrontierPoint], price: Fraction) -> FrontierPoint | None:
     """Of a frontier's points, the plan of least ``priced_cost`` (of equal cost, the one of
-    fewer bytes): where ``optimize(..., save_price=price)`` plans at every budget from
-    that point's up (within the step of ``priced_budget``'s grid); None where no point has
-    a plan."""
+    fewer bytes), None where no point has a plan. At budgets from its bytes up,
+    ``optimize(..., save_price=price)`` plans there, or at a plan between the frontier's
+    points that costs less (``priced_budget`` searches its own grid)."""
     plans = [p for p in points
              if p.recompute_flops is not None and p.residual_bytes is not None]
     return min(plans, key=lambda p: (priced_cost(p, price), p.memory_bytes or 0), default=None)
