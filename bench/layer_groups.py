@@ -1,4 +1,5 @@
-"""A scan's layers planned apart, against one policy per stack (issue 39).
+"""A scan's layers (or repeated blocks) planned apart, against one policy per stack
+(issue 39).
 
 For each model, the one-policy frontier (``optimize(..., layer_groups=False)`` at
 budgets from the smallest to the no-remat peak, each plan's measured peak), then
@@ -17,12 +18,16 @@ the budget, interleaved runs in one process, medians and spread.
 B 8, T 512; about 2 TFLOP a step), where a step takes long enough to time.
 ``--sweep N`` plans the small stack of tests/test_layer_groups.py instead, at N budgets
 from its smallest plan to its no-remat peak, and counts the rises: a budget answered
-with more recompute than a smaller one.
+with more recompute than a smaller one. ``--unrolled`` plans the unrolled corpus
+(tests/unrolled_models.py: blocks in Python loops, each block planned apart by
+``client.peak.block_mixing``) under the schedule that keeps checkpoints in straight-line
+code apart (``client.schedule``'s flag, set for this process).
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import sys
 import time
@@ -36,6 +41,7 @@ import jax.numpy as jnp  # noqa: E402
 import optiremat  # noqa: E402
 from optiremat.client.peak.placement import Placement  # noqa: E402
 from optiremat.client.policy import KeyPolicy  # noqa: E402
+from optiremat.client.schedule import MEMORY_SCHEDULE_FLAG  # noqa: E402
 from optiremat.client.step import forget_compiled_memory  # noqa: E402
 from tests.lm_models import CORPUS as LM_CORPUS  # noqa: E402
 from tests.peak_models import CORPUS as PEAK_CORPUS  # noqa: E402
@@ -45,8 +51,15 @@ MiB = 2**20
 BUILTINS = ("nothing_saveable", "dots_with_no_batch_dims_saveable", "dots_saveable")
 
 
-def models(quick: bool, accelerator: bool):
-    """The issue's stack; then the scan corpus's Llama and ViT and the LM corpus's V8k."""
+def models(quick: bool, accelerator: bool, unrolled: bool = False):
+    """The issue's stack; then the scan corpus's Llama and ViT and the LM corpus's V8k.
+    Or the unrolled corpus (its first two models with ``quick``)."""
+    if unrolled:
+        from tests.unrolled_models import CORPUS as UNROLLED
+
+        for model in UNROLLED[:2] if quick else UNROLLED:
+            yield model.name, model.build(model.user_policy)
+        return
     if accelerator:
         yield "llama bf16 L8 (D 1024, FFN 2816, 16/4 heads, B 8, T 512)", llama(
             layers=8, d=1024, ffn=2816, heads=16, kv_heads=4, batch=8, seq=512,
@@ -94,11 +107,25 @@ def xla_flops_per_trip(loss, args, plan, compiled) -> float:
     """XLA's count of the plan's step. XLA counts a loop's body once whatever its trip
     count, so a step whose scan runs as several loops is counted as the mean, weighted by
     layers, of its groups' saves each in one scan: comparable to a one-policy plan's."""
-    if not plan.layer_groups:
-        return xla_flops(compiled)
+    step = plan.graph.step
+    if not plan.layer_groups or all(step.regions[region].kind == "block"
+                                    for region, _, _ in plan.layer_groups):
+        return xla_flops(compiled)  # no loop: counted whole
     length = sum(layers for _, layers, _ in plan.layer_groups)
     return sum(layers * xla_flops(step_of(plan.placement.apply(loss, KeyPolicy(keys)), args))
                for _, layers, keys in plan.layer_groups) / length
+
+
+def layer_runs(plan) -> str:
+    """The plan's layers by the saves they take, consecutive groups (or blocks) of equal
+    saves together: "4+3+1", or "1 group"."""
+    runs: list[list] = []
+    for _, layers, keys in plan.layer_groups:
+        if runs and runs[-1][1] == keys:
+            runs[-1][0] += layers
+        else:
+            runs.append([layers, keys])
+    return "+".join(str(n) for n, _ in runs) or "1 group"
 
 
 def plan_at(loss, args, budget, layer_groups, **options):
@@ -160,7 +187,7 @@ def sweep(points: int) -> None:
         mixed, mixed_peak, _, _ = plan_at(loss, args, budget, True)
         flops[False].append(one.recompute_flops)
         flops[True].append(mixed.recompute_flops)
-        groups = "+".join(str(n) for _, n, _ in mixed.layer_groups) or "1 group"
+        groups = layer_runs(mixed)
         print(f"{budget / MiB:9.2f} | {one_peak / MiB:7.2f} MiB {one.recompute_flops:9.3g} | "
               f"{mixed_peak / MiB:7.2f} MiB {100 * mixed_peak / budget:5.1f}% "
               f"{mixed.recompute_flops:9.3g} {groups:>5}")
@@ -178,7 +205,11 @@ def main() -> None:
                         help="a stack sized for one accelerator chip, in place of the corpus")
     parser.add_argument("--sweep", type=int, metavar="N",
                         help="the test stack at N budgets, counting rises, in place of the rest")
+    parser.add_argument("--unrolled", action="store_true",
+                        help="the unrolled corpus, its blocks planned apart, in place of the rest")
     ns = parser.parse_args()
+    if ns.unrolled:  # before JAX starts its backend, which reads the flags once
+        os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {MEMORY_SCHEDULE_FLAG}"
     print(f"jax {jax.__version__}, {jax.devices()[0].device_kind}")
     if ns.sweep:
         if ns.sweep < 2:
@@ -187,7 +218,7 @@ def main() -> None:
         return
     tally: dict[str, list[float]] = {"fill": [], "ratio": [], "xla": [], "time": []}
     exact = within = 0
-    for name, (loss, args) in models(ns.quick, ns.accelerator):
+    for name, (loss, args) in models(ns.quick, ns.accelerator, ns.unrolled):
         unplanned = step_of(loss, args)
         top, unplanned_flops = optiremat.measured_peak(unplanned), xla_flops(unplanned)
         low = optiremat.min_feasible_budget(loss, *args, layer_groups=False)
@@ -205,7 +236,7 @@ def main() -> None:
             budget = (p0 + p1) // 2
             one, one_peak, one_s, one_c = plan_at(loss, args, budget, False)
             mixed, mixed_peak, mixed_s, mixed_c = plan_at(loss, args, budget, True)
-            groups = "+".join(str(n) for _, n, _ in mixed.layer_groups) or "1 group"
+            groups = layer_runs(mixed)
             ratio = mixed.recompute_flops / one.recompute_flops if one.recompute_flops else 1.0
             # XLA's recompute: the step's FLOPs beyond the unplanned step's.
             one_x = xla_flops(one_c) - unplanned_flops

@@ -73,9 +73,10 @@ def _held_rows(step: StepMemory) -> list[str]:
 
 
 def layer_group_lines(graph: CostGraph, solution: Solution) -> list[str]:
-    """A plan whose scan layers are planned apart: the measured peak term by term
-    (arguments, gradients, each group's residuals per layer x its layers, the rest), and
-    what each group saves beyond the first (whose policy the residual table shows)."""
+    """A plan whose scan layers (or repeated blocks) are planned apart: the measured peak
+    term by term (arguments, gradients, each group's residuals per layer x its layers, or
+    each block's, the rest), and what each group saves beyond the first (whose policy the
+    residual table shows)."""
     assert solution.layer_groups and solution.peak_bytes is not None
     step = graph.step
     assert step is not None
@@ -85,7 +86,7 @@ def layer_group_lines(graph: CostGraph, solution: Solution) -> list[str]:
              "layers planned apart:", *_held_rows(step)]
     first = set(solution.layer_groups[0].saved_keys)
     accounted = step.held_bytes
-    start = 0
+    start = blocks = 0
     for group in solution.layer_groups:
         region = step.regions[group.region]
         keys = set(group.saved_keys)
@@ -96,6 +97,12 @@ def layer_group_lines(graph: CostGraph, solution: Solution) -> list[str]:
                                                strict=True) if k in extra})
         what = (f"also saves {len(extra)} keys ({', '.join(primitives)})" if extra
                 else "the plan's policy")
+        if region.kind == RegionKind.BLOCK:  # a block of a run planned apart, by itself
+            lines.append(_row(f"residuals, block {blocks}", stacked,
+                              f"the {region.describe()}: {what}"))
+            blocks += 1
+            accounted += stacked
+            continue
         name = (f"layer {start}" if group.layers == 1
                 else f"layers {start}-{start + group.layers - 1}")
         lines.append(_row(f"residuals, {name}", per_layer * group.layers,

@@ -71,7 +71,7 @@ def sweep(graph: CostGraph, budgets: Sequence[int] | None = None,
     them (off by up to a fifth on the scan corpus). With a ``measure`` of the whole step
     (``client.peak.measures.step_measure``, as ``plot_function`` builds it) each plan is
     refined against the step compiled, and where the refined plan leaves room its scan's
-    layers are planned apart as ``optimize`` plans them (``client.peak.mixing``), so that
+    layers (or repeated blocks) are planned apart as ``optimize`` plans them (``client.peak.apart``), so that
     the frontier moves by a layer's difference rather than a stack's (not with
     ``layer_groups=False``). ``presets`` (per node, whether each saves it) are measured
     candidates of every refined plan: a names-only graph's framework presets, as
@@ -98,9 +98,9 @@ def _refined(graph: CostGraph, regions: Sequence[Region], budgets: Sequence[int]
              options: SolveOptions, measure: PeakMeasure | None,
              presets: Sequence[Sequence[bool]], layer_groups: bool) -> dict[int, FrontierResult]:
     """Each budget's plan refined against its own working set (measurements are shared
-    between budgets), its scan's layers planned apart where ``measure`` compiles the step;
+    between budgets), its layers planned apart where ``measure`` compiles the step;
     a budget no refined plan fits is infeasible, naming the smallest measured peak."""
-    from optiremat.client.peak.mixing import refined_and_mixed
+    from optiremat.client.peak.apart import refined_and_mixed
 
     def solve_at(b: int) -> Solution:
         return solve(graph, b, options)

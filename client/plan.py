@@ -298,7 +298,8 @@ class PeakPlan(Plan):
         plan's policy: ``jax.jit(jax.grad(plan.apply(loss)))`` is the whole change a user
         makes. ``fun`` is traced once per structure and types of its arguments. Where the
         plan gives a scan's layers saves of their own (``layer_groups``), that scan runs
-        them in consecutive groups, each checkpointed by its group's policy. Where the
+        them in consecutive groups, each checkpointed by its group's policy; where it gives
+        repeated blocks saves of their own, each block's checkpoint takes its own. Where the
         step fits without any checkpoint (``solution.no_checkpoint``), ``fun`` itself."""
         if self.solution.no_checkpoint:
             return fun
@@ -308,8 +309,9 @@ class PeakPlan(Plan):
     @property
     def layer_groups(self) -> tuple[tuple[int, int, frozenset[str]], ...]:
         """Where the plan gives a scan's layers saves of their own: per group of
-        consecutive layers, in program order, (region, layers, policy keys saved). Empty
-        where every region's layers take ``policy``."""
+        consecutive layers, in program order, (region, layers, policy keys saved); or
+        repeated blocks: per block of the run, (region, 1, keys). Empty where every
+        region's layers take ``policy``."""
         return tuple((g.region, g.layers, self._expanded(g.saved_keys))
                      for g in self.solution.layer_groups or [])
 

@@ -111,7 +111,9 @@ class PlanFile(BaseModel):
 
     def layer_policies(self) -> list[tuple[int, KeyPolicy]]:
         """Per group of a scan's layers planned apart, in program order: (layers, the
-        policy of ``jax.checkpoint`` around each of them). Empty for one policy per stack."""
+        policy of ``jax.checkpoint`` around each of them); for repeated blocks planned
+        apart, (1, the policy of its checkpoint) per block of the run, in program order.
+        Empty for one policy per stack."""
         from optiremat.client.policy import KeyPolicy
 
         return [(group.layers, KeyPolicy(self._expanded(group.saved_keys)))

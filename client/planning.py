@@ -50,7 +50,7 @@ class PlanRequest:
     auto: dict[str, Any]  # budget="auto"'s keywords (client.budget)
     options: SolveOptions  # validated here, once: every solve takes them as they are
     scopes: tuple[str, ...] = ()  # name scopes whose equations are the blocks (regions=)
-    layer_groups: bool = True  # a scan's layers may be planned apart (client.peak.mixing)
+    layer_groups: bool = True  # layers may be planned apart (client.peak.apart)
     schedule: Schedule = "process"  # the compile the budget holds under (client.schedule)
     saveable: Saveable = Saveable()  # what the plan may save (client.frameworks)
     save_price: Fraction | None = None  # FLOPs per saved byte (client.peak.priced)
@@ -153,9 +153,9 @@ def optimize(fun: Callable, *args, budget: int | str, memory: Literal["peak", "r
     ``jax.checkpoint(fun)`` and a ``ResidualPlan``.
     A peak plan is ``refine``d against its own measured peak (``client.peak.refine``);
     ``refine=False`` keeps the first answer and the calibrated working sets.
-    A refined plan may give the last layers of a ``lax.scan`` more saves than the
-    first, where one policy per stack would leave the budget unused
-    (``client.peak.mixing``; ``layer_groups=False`` keeps one policy per stack).
+    A refined plan may give the last layers of a ``lax.scan``, or the last of a run of
+    repeated blocks, more saves than the first, where one policy per stack would leave
+    the budget unused (``client.peak.apart``; ``layer_groups=False`` keeps one policy).
     ``save_price`` (FLOPs per saved byte; ``measured_save_price()`` reads this device's)
     asks for the plan within the budget minimising recompute FLOPs plus that price per
     byte saved, where a step's time follows the bytes it moves (``client.peak.priced``):

@@ -184,7 +184,7 @@ def plot_function(fun: Callable, *args: Any, path: str | Path, points: int = DEF
     """Extract ``fun``, sweep ``points`` budgets locally, price the built-ins, and plot:
     peaks of the training step by default (plans and the built-ins applied per layer
     with their own working sets measured, ``client.peak.refine``, and a scan's layers
-    planned apart where one policy leaves room, ``client.peak.mixing``), or with
+    planned apart where one policy leaves room, ``client.peak.apart``), or with
     ``memory="residuals"`` the residuals of one checkpoint around ``fun`` (the
     built-ins measured by ``saved_residuals``). With
     ``offload=OffloadOptions(...)`` the plans use all three levers and the plot is

@@ -95,9 +95,9 @@ class SolveOptions(BaseModel):
 
 
 class LayerGroup(BaseModel):
-    """Consecutive layers of one scan region that a plan gives saves of their own
-    (``Solution.layer_groups``): the region, how many layers, and the policy keys they
-    save."""
+    """Consecutive layers of one scan region, or one block of a run of repeated blocks
+    (``layers`` 1), that a plan gives saves of their own (``Solution.layer_groups``): the
+    region, how many layers, and the policy keys they save."""
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
@@ -159,9 +159,11 @@ class Solution(BaseModel):
     # ``lower_bound_flops`` and ``gap`` are then on that sum (``solver.collectives``).
     collective_bytes: StrictInt | None = Field(default=None, exclude_if=lambda v: v is None)
     # A peak plan whose scan layers are planned apart (``client.peak.mixing``): per group
-    # of consecutive layers, in program order, the keys it saves. ``saved_keys`` and
-    # ``node_decisions`` are then the plan of the first group, which saves least;
-    # ``recompute_flops`` and ``residual_bytes`` count every group's layers.
+    # of consecutive layers, in program order, the keys it saves; or whose repeated
+    # blocks are (``client.peak.block_mixing``): per block of the run, its keys (every
+    # other region takes ``saved_keys``). ``saved_keys`` and ``node_decisions`` are then
+    # the plan of the first group, which saves least; ``recompute_flops`` and
+    # ``residual_bytes`` count every group's layers.
     layer_groups: list[LayerGroup] | None = Field(default=None, exclude_if=lambda v: v is None)
     # A peak plan whose step without any checkpoint fits the budget as measured
     # (``client.peak.planner``): applied, the function is left as it is. Every node is then

@@ -18,6 +18,7 @@ import pytest
 
 import optiremat
 from optiremat.client.peak.finding import ANCHORS, find_regions, holds
+from optiremat.client.peak.placement import PlacementError, check_layer_groups
 from optiremat.client.schedule import ScheduleWarning
 from optiremat.client.step import Step, lowered_peak
 from optiremat.solver.solution import InfeasibleBudgetError
@@ -88,3 +89,45 @@ def test_blocks_of_different_shapes_are_found_as_calls() -> None:
     measured = _peak(plan.apply(fun), args)
     assert measured <= least and abs(plan.peak_bytes - measured) <= 0.01 * measured
     assert "repeated block at" in plan.explain()
+
+
+def test_repeated_blocks_planned_apart_fill_the_budget_one_policy_leaves() -> None:
+    """Midway between two per-block built-ins of a decoder in a Python loop, one policy
+    for every block leaves a tenth of the budget unused; its last blocks taking the saves
+    of a plan recomputing less fill it (``client.peak.block_mixing``), each block its own
+    checkpoint: measured as predicted, within the budget, recomputing less, gradients
+    the function's own. The plan names its blocks and places them from the plan alone."""
+    model = MODELS["jax_loop_llama_L6"]
+    fun, args = model.build(None)
+    lean, heavy = (_peak(*model.build(BUILTINS[name]))
+                   for name in ("nothing_saveable", "dots_with_no_batch_dims_saveable"))
+    budget = (lean + heavy) // 2
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", ScheduleWarning)
+        one = optiremat.optimize(fun, *args, budget=budget, schedule="barriers_kept",
+                                 layer_groups=False)
+    apart = _optimize(fun, args, budget)
+    groups = apart.solution.layer_groups
+    assert groups and [g.layers for g in groups] == [1] * model.blocks
+    regions = apart.graph.step.regions
+    assert {regions[g.region].kind for g in groups} == {"block"}
+    # The first blocks take the plan's own policy, the last ones another's.
+    saves = [set(g.saved_keys) for g in groups]
+    assert saves[0] == set(apart.solution.saved_keys) != saves[-1]
+    assert sum(a != b for a, b in zip(saves[:-1], saves[1:], strict=True)) == 1
+    measured = _peak(apart.apply(fun), args)
+    assert measured == apart.peak_bytes <= budget
+    assert apart.solution.recompute_flops < one.solution.recompute_flops
+    assert measured > _peak(one.apply(fun), args)  # it used room one policy left
+    text = apart.explain()
+    assert "residuals, block 0" in text and f"residuals, block {model.blocks - 1}" in text
+    check_explained(apart.graph, apart.solution)
+    got, want = jax.grad(apart.apply(fun))(*args), jax.grad(fun)(*args)
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6)
+    # A block takes one policy of its own, never layer groups.
+    closed = jax.make_jaxpr(fun)(*args)
+    params = len(jax.tree.leaves(args[0]))
+    block = find_regions(closed, [True] * params + [False] * (len(closed.in_avals) - params))[0]
+    with pytest.raises(PlacementError, match="runs once"):
+        check_layer_groups(block, [(2, None)])

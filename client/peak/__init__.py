@@ -22,8 +22,10 @@ call goes through it (``planner.plan_peak``):
   layer per region);
 * ``refine``: the plan fitted to its measured peak, and to JAX's built-ins and
   the user's names as measured; the smallest budget it plans;
-* ``mixing``: a scan's layers planned apart, in groups taking different plans'
-  saves, where that fits as measured (``layer_groups`` runs the groups); with
+* ``apart``: after refinement, the layers planned apart where one policy leaves
+  room: ``mixing``, a scan's layers in groups taking different plans' saves
+  (``layer_groups`` runs the groups), or ``block_mixing``, a run of repeated blocks'
+  last blocks taking a heavier plan's, each where that fits as measured; with
   offload, ``offload_fit`` fits the plan to its measured device peak instead;
 * ``planner``: the above in order, answered as a ``client.plan.PeakPlan``.
 """

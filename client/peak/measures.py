@@ -45,6 +45,9 @@ def working_set_delta(graph: CostGraph, regions: Sequence[Region], saves: Sequen
 
 # A scan's layers planned apart: per group of consecutive layers, (layers, saved keys).
 LayerSplit = tuple[tuple[int, frozenset[str]], ...]
+# Blocks planned apart: the saved keys of every region but those named, and per block
+# named (region index, its own saved keys).
+BlockSplit = tuple[frozenset[str], tuple[tuple[int, frozenset[str]], ...]]
 # A plan as its measurements are remembered: (saved keys, groups, offloaded keys).
 _PlanKey = tuple[frozenset[str], tuple[int, ...] | None, frozenset[str]]
 
@@ -89,9 +92,13 @@ class StepMeasure:
     # The peak of the step whose one scan region has its layers planned apart
     # (``client.peak.mixing``): per group in program order, (layers, saved keys).
     split_peak_of: Callable[[LayerSplit], int] | None = None
+    # The peak of the step whose blocks take policies of their own
+    # (``client.peak.block_mixing``).
+    blocks_peak_of: Callable[[BlockSplit], int] | None = None
     _peaks: dict[_PlanKey, int] = field(default_factory=dict)
     _ahead: dict[_PlanKey, jax.stages.Lowered] = field(default_factory=dict)
     _split_peaks: dict[LayerSplit, int] = field(default_factory=dict)
+    _block_peaks: dict[BlockSplit, int] = field(default_factory=dict)
 
     def measured_split(self, split: LayerSplit) -> int:
         """XLA's peak of the step with the scan's layers in the groups of ``split``."""
@@ -99,6 +106,13 @@ class StepMeasure:
         if split not in self._split_peaks:
             self._split_peaks[split] = self.split_peak_of(split)
         return self._split_peaks[split]
+
+    def measured_blocks(self, split: BlockSplit) -> int:
+        """XLA's peak of the step with its blocks' policies as ``split`` gives them."""
+        assert self.blocks_peak_of is not None
+        if split not in self._block_peaks:
+            self._block_peaks[split] = self.blocks_peak_of(split)
+        return self._block_peaks[split]
 
     def measured(self, keys: frozenset[str], groups: Sequence[int] | None,
                  offloaded: frozenset[str] = frozenset()) -> int:
@@ -188,5 +202,12 @@ def step_measure(fun: Callable, args: Sequence, extracted: StepExtraction,
         return compiled_peak(lambda leaves: placement.evaluate(
             extracted.traced, leaves, policies[0][1], None, {region.index: policies}))
 
+    def blocks_peak_of(split: BlockSplit) -> int:
+        keys, own = split
+        policies = {index: [(1, KeyPolicy(expanded(saved)))] for index, saved in own}
+        return compiled_peak(lambda leaves: placement.evaluate(
+            extracted.traced, leaves, KeyPolicy(expanded(keys)), None, policies))
+
     return StepMeasure(extracted.graph, plan_lowered, keep_barriers,
-                       split_peak_of if len(placement.regions) == 1 else None)
+                       split_peak_of if len(placement.regions) == 1 else None,
+                       blocks_peak_of)

@@ -57,14 +57,14 @@ residuals.
 from __future__ import annotations
 
 import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from fractions import Fraction
 from typing import NamedTuple
 
 import jax
 
-from optiremat.client.peak.measures import PeakMeasure, StepMeasure
-from optiremat.client.peak.refine import SolveAt, refined_solve
+from optiremat.client.peak.measures import StepMeasure
+from optiremat.client.peak.refine import SolveAt
 from optiremat.client.peak.regions import Region
 from optiremat.client.peak.scan_region import ScanRegion
 from optiremat.solver.breakdown import residual_parts
@@ -83,33 +83,6 @@ MAX_MIX_COMPILES = 4
 SPLITS_HELD_AGAIN = frozenset({"tpu"})
 
 
-def refined_and_mixed(graph: CostGraph, regions: Sequence[Region], budget: int,
-                      solve_at: SolveAt, solve_unnested: SolveAt, measure: PeakMeasure | None,
-                      presets: Sequence[Sequence[bool]], layer_groups: bool) -> Solution:
-    """The plan at ``budget`` refined against ``measure`` (``refine.refined_solve``) and,
-    with ``layer_groups``, its scan's layers planned apart (``with_layers_apart``), whose
-    plans ``solve_unnested`` solves: as ``solve_at`` does, choosing no nesting."""
-    answer = refined_solve(graph, regions, budget, solve_at, measure, presets,
-                           _not_mixed(layer_groups, regions, measure))
-    if not layer_groups:
-        return answer
-    return with_layers_apart(graph, regions, answer, solve_unnested, measure)
-
-
-def with_layers_apart(graph: CostGraph, regions: Sequence[Region], answer: Solution,
-                      solve_at: SolveAt, measure: object) -> Solution:
-    """``answer`` (refined) with its scan's layers planned apart where that recomputes
-    less and fits as measured; ``answer`` itself where its step cannot take it
-    (``mixable``) or no mix does better. ``solve_at`` solves the step's graph with the
-    answer's options but nesting (a mix's plans checkpoint each layer): on the scan
-    corpus's ViT a solve choosing nesting took 0.29 s, six solves of one plan each."""
-    if not mixable(regions, answer, measure):
-        return answer
-    (region,) = regions
-    assert isinstance(region, ScanRegion) and isinstance(measure, StepMeasure)
-    return mixed_layers(graph, region, answer, solve_at, measure)
-
-
 def mixable(regions: Sequence[Region], answer: Solution, measure: object) -> bool:
     """Whether ``answer``'s step can take its scan's layers planned apart."""
     return (len(regions) == 1 and isinstance(regions[0], ScanRegion)
@@ -117,14 +90,6 @@ def mixable(regions: Sequence[Region], answer: Solution, measure: object) -> boo
             and isinstance(measure, StepMeasure) and measure.split_peak_of is not None
             and answer.offload is None and all(k == 1 for k in answer.groups or [1])
             and answer.peak_bytes is not None and answer.peak_bytes < answer.budget_bytes)
-
-
-def _not_mixed(layer_groups: bool, regions: Sequence[Region],
-              measure: object) -> Callable[[Solution], bool]:
-    """Whether refinement should bisect for room (``refine._Refinement._fill``) under its
-    answer so far: not where the answer's layers are mixed next, which fills the budget
-    finer (``layer_groups``: they may be)."""
-    return lambda answer: not (layer_groups and mixable(regions, answer, measure))
 
 
 # A mix's groups: per group of consecutive layers, its count and the plan whose saves
@@ -473,7 +438,7 @@ def _plans_between(answer: Solution, solve_at: SolveAt, line: _Line, room: int,
     shift = answer.peak_bytes - BudgetView.of(line.graph, None).predicted(answer.kept())
     found = {tuple(p.saved_keys): p for p in (answer, *known)}
     length = line.region.length
-    for k in _layer_counts(line.before_last):  # two layers at least (``_Line``)
+    for k in layer_counts(line.before_last):  # two layers at least (``_Line``)
         try:
             plan = solve_at(answer.peak_bytes + max(0, room) * length // k - shift)
         except InfeasibleBudgetError:
@@ -499,7 +464,7 @@ def _measured(measure: StepMeasure, region: ScanRegion,
         return None
 
 
-def _layer_counts(length: int) -> list[int]:
+def layer_counts(length: int) -> list[int]:
     """2, 3, 4, 6, 8, 12, 16, ... up to ``length``: how many layers a heavier plan may be
     given."""
     counts, k = [2, 3], 4

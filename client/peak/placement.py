@@ -81,9 +81,11 @@ class _Placer:
                 inputs, outputs = region.boundary(eqns)
                 invals = [read(x) for x in inputs]
                 split = self.layer_policies.get(region.index)
-                if split is not None:
-                    assert isinstance(region, ScanRegion)
+                if split is not None and isinstance(region, ScanRegion):
                     outs = region.place_layer_groups(eqns, invals, split, self.name_inputs)
+                elif split is not None:  # a block with a policy of its own
+                    ((_, policy),) = split
+                    outs = region.place(eqns, invals, policy, 1, self.name_inputs)
                 else:
                     outs = region.place(eqns, invals, self.policies[region.index],
                                         self.groups[region.index], self.name_inputs)

@@ -15,9 +15,9 @@ from typing import TYPE_CHECKING
 import optiremat.client._jax_internals as jx
 from optiremat.client.extract import Traced
 from optiremat.client.frameworks import preset_saves
+from optiremat.client.peak.apart import refined_and_mixed
 from optiremat.client.peak.finding import why_no_regions
 from optiremat.client.peak.measures import StepMeasure, step_measure
-from optiremat.client.peak.mixing import refined_and_mixed
 from optiremat.client.peak.offload_fit import fitted_offload
 from optiremat.client.peak.placement import Placement, keeps_barriers, measured_with_barriers
 from optiremat.client.peak.priced import priced_budget, priced_note

@@ -264,10 +264,16 @@ def _scan_running_forward(region: Region, once: str, reversed_layers: str) -> Sc
 
 def check_layer_groups(region: Region, layer_policies: Sequence[tuple[int, Any]]) -> None:
     """Refuse layer groups the region cannot take: a scan's, running forward, whose
-    sizes add up to its length."""
+    sizes add up to its length; or a block's one group of its one run (a policy of its
+    own, ``client.peak.block_mixing``)."""
+    sizes = [size for size, _ in layer_policies]
+    if not isinstance(region, ScanRegion) and region.length == 1:
+        if sizes != [1]:
+            raise PlacementError(f"the {region.describe()} runs once: it takes one policy "
+                                 f"of its own, not layer groups of {sizes}")
+        return
     region = _scan_running_forward(region, "its layers cannot be planned apart",
                                    "take one policy")
-    sizes = [size for size, _ in layer_policies]
     if any(size < 1 for size in sizes) or sum(sizes) != region.length:
         raise PlacementError(f"layer groups of {sizes} layers do not make the "
                              f"{region.length} layers of the lax.scan at {region.source}")
