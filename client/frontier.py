@@ -71,11 +71,11 @@ def sweep(graph: CostGraph, budgets: Sequence[int] | None = None,
     them (off by up to a fifth on the scan corpus). With a ``measure`` of the whole step
     (``client.peak.measures.step_measure``, as ``plot_function`` builds it) each plan is
     refined against the step compiled, and where the refined plan leaves room its scan's
-    layers (or repeated blocks) are planned apart as ``optimize`` plans them (``client.peak.apart``), so that
-    the frontier moves by a layer's difference rather than a stack's (not with
-    ``layer_groups=False``). ``presets`` (per node, whether each saves it) are measured
-    candidates of every refined plan: a names-only graph's framework presets, as
-    ``optimize(..., saveable=)`` measures them."""
+    layers (or repeated blocks) are planned apart as ``optimize`` plans them
+    (``client.peak.apart``), so that the frontier moves by a layer's difference rather
+    than a stack's (not with ``layer_groups=False``). ``presets`` (per node, whether each
+    saves it) are measured candidates of every refined plan: a names-only graph's
+    framework presets, as ``optimize(..., saveable=)`` measures them."""
     resolved = resolve_options(None, dict(options))
     low = high = None
     if budgets is None:

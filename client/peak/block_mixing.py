@@ -154,18 +154,30 @@ def _mixes(graph: CostGraph, run: Sequence[BlockRegion], answer: Solution,
     return sorted(mixes, key=lambda m: (m.flops, m.residual_bytes))
 
 
-def _split(answer: Solution, run: Sequence[BlockRegion], mix: _Mix) -> BlockSplit:
-    """``mix`` as the step's measure takes it: the answer's keys, and the last blocks'."""
-    heavy = frozenset(mix.plan.saved_keys)
-    return (frozenset(answer.saved_keys),
-            tuple((region.index, heavy) for region in run[len(run) - mix.heavier:]))
+def block_split(plan: Solution) -> BlockSplit:
+    """A plan whose blocks are planned apart (``layer_groups``), as the step's measure
+    takes it: its own keys for every other region, and each block's."""
+    return _split_of(plan.saved_keys, plan.layer_groups or [])
+
+
+def _split_of(keys: Sequence[str], groups: Sequence[LayerGroup]) -> BlockSplit:
+    return frozenset(keys), tuple((g.region, frozenset(g.saved_keys)) for g in groups)
+
+
+def _groups(answer: Solution, run: Sequence[BlockRegion], mix: _Mix) -> list[LayerGroup]:
+    """One group of one layer per block of the run, in program order: the answer's saves,
+    then the last ``mix.heavier`` blocks' those of ``mix.plan``."""
+    first = len(run) - mix.heavier
+    return [LayerGroup(region=region.index, layers=1,
+                       saved_keys=list((answer if i < first else mix.plan).saved_keys))
+            for i, region in enumerate(run)]
 
 
 def _measured(measure: StepMeasure, run: Sequence[BlockRegion], answer: Solution,
               mix: _Mix) -> int | None:
     """The step's peak with ``mix`` placed; None, with a warning, where it cannot be."""
     try:
-        return measure.measured_blocks(_split(answer, run, mix))
+        return measure.measured_blocks(_split_of(answer.saved_keys, _groups(answer, run, mix)))
     except Exception as err:  # the one-policy plan stands; say why it was kept
         warnings.warn(f"the repeated blocks ({run[0].describe()} and the rest) could not be "
                       f"planned apart ({type(err).__name__}: {err}); the plan keeps one "
@@ -175,17 +187,13 @@ def _measured(measure: StepMeasure, run: Sequence[BlockRegion], answer: Solution
 
 def _mixed(graph: CostGraph, answer: Solution, run: Sequence[BlockRegion], mix: _Mix,
            peak: int) -> Solution:
-    """The plan giving the run's blocks the saves of ``mix``, whose step measured
-    ``peak``, for ``answer``'s budget and options: one group of one layer per block of the
-    run, in program order. The record is the answer's, with the mix's figures over it
-    (its residual bytes moved by what the mix adds, in the answer's terms)."""
+    """The plan giving the run's blocks the saves of ``mix`` (``_groups``), whose step
+    measured ``peak``, for ``answer``'s budget and options. The record is the answer's,
+    with the mix's figures over it (its residual bytes moved by what the mix adds, in the
+    answer's terms)."""
     added = mix.residual_bytes - evaluate(graph, answer.kept()).residual_bytes
-    first = len(run) - mix.heavier
-    groups = [LayerGroup(region=region.index, layers=1,
-                         saved_keys=list((answer if i < first else mix.plan).saved_keys))
-              for i, region in enumerate(run)]
     return answer.model_copy(update={
         "status": SolveStatus.FEASIBLE, "recompute_flops": mix.flops,
         "residual_bytes": answer.residual_bytes + added, "lower_bound_flops": 0,
         "gap": 1.0 if mix.flops else 0.0, "peak_bytes": peak, "working_bytes": None,
-        "layer_groups": groups})
+        "layer_groups": _groups(answer, run, mix)})

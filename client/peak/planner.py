@@ -16,6 +16,7 @@ import optiremat.client._jax_internals as jx
 from optiremat.client.extract import Traced
 from optiremat.client.frameworks import preset_saves
 from optiremat.client.peak.apart import refined_and_mixed
+from optiremat.client.peak.block_mixing import block_split
 from optiremat.client.peak.finding import why_no_regions
 from optiremat.client.peak.measures import StepMeasure, step_measure
 from optiremat.client.peak.offload_fit import fitted_offload
@@ -171,7 +172,7 @@ def plan_peak(fun: Callable, traced: Traced, args: Sequence, request: PlanReques
     # written does (both are the last compiles).
     with_barriers = (plan_measure(barriers_kept=True)
                      if for_merged and solution.peak_bytes is not None else None)
-    if with_barriers is not None:
+    if with_barriers is not None and not solution.layer_groups:
         with_barriers.ahead(frozenset(solution.saved_keys), solution.groups)
     if measured(request):
         # Taken where it fits and recomputes less, or as little and peaks no higher: blocks
@@ -184,8 +185,10 @@ def plan_peak(fun: Callable, traced: Traced, args: Sequence, request: PlanReques
             return _plan(no_checkpoint(graph, solution, budget_bytes, written), "")
     note = ""
     if with_barriers is not None and solution.peak_bytes is not None:
-        note = merged_schedule_note(solution.peak_bytes, with_barriers.measured(
-            frozenset(solution.saved_keys), solution.groups))
+        # A step with blocks mixes them, never a scan's layers (``client.peak.apart``).
+        note = merged_schedule_note(solution.peak_bytes, (
+            with_barriers.measured_blocks(block_split(solution)) if solution.layer_groups
+            else with_barriers.measured(frozenset(solution.saved_keys), solution.groups)))
     return _plan(solution, note)
 
 
