@@ -60,11 +60,10 @@ def block_mixable(regions: Sequence[Region], answer: Solution, measure: object) 
 
 class _Mix(NamedTuple):
     """The run's last ``heavier`` blocks taking ``plan``'s saves, the others the
-    answer's; the mix's saves per node, recompute FLOPs and residual bytes."""
+    answer's; the mix's recompute FLOPs and residual bytes."""
 
     heavier: int
     plan: Solution
-    kept: tuple[bool, ...]
     flops: int
     residual_bytes: int
 
@@ -150,7 +149,7 @@ def _mixes(graph: CostGraph, run: Sequence[BlockRegion], answer: Solution,
             evaluation = evaluate(graph, kept)
             flops = evaluation.backward_flops - baseline
             if flops < answer.recompute_flops:
-                mixes.append(_Mix(k, plan, kept, flops, evaluation.residual_bytes))
+                mixes.append(_Mix(k, plan, flops, evaluation.residual_bytes))
     return sorted(mixes, key=lambda m: (m.flops, m.residual_bytes))
 
 
