@@ -28,11 +28,10 @@ from typing import NamedTuple
 
 from optiremat.client.peak.block_region import BlockRegion
 from optiremat.client.peak.measures import BlockSplit, StepMeasure
-from optiremat.client.peak.mixing import MAX_MIX_COMPILES, layer_counts
+from optiremat.client.peak.mixing import MAX_MIX_COMPILES, layer_counts, price_shift
 from optiremat.client.peak.refine import SolveAt
 from optiremat.client.peak.regions import Region
 from optiremat.solver.graph import CostGraph
-from optiremat.solver.peak import BudgetView
 from optiremat.solver.semantics import baseline_backward_flops, evaluate
 from optiremat.solver.solution import InfeasibleBudgetError, LayerGroup, Solution, SolveStatus
 from optiremat.solver.solve import max_useful_budget
@@ -104,7 +103,7 @@ def mixed_blocks(graph: CostGraph, regions: Sequence[Region], answer: Solution,
         levels[keys] = max(peak - line(choice), levels.get(keys, peak - line(choice)))
         if peak <= answer.budget_bytes:
             best = (choice, peak)
-    return answer if best is None else _mixed(graph, answer, run, *best)
+    return answer if best is None else _mixed(answer, run, *best, lean.residual_bytes)
 
 
 def _plans_above(graph: CostGraph, answer: Solution, solve_at: SolveAt,
@@ -114,9 +113,7 @@ def _plans_above(graph: CostGraph, answer: Solution, solve_at: SolveAt,
     recomputing least (solved at the graph's largest useful budget)."""
     assert answer.peak_bytes is not None
     room = answer.budget_bytes - answer.peak_bytes
-    # The solver's price of ``answer`` is this much under what it measured; the heavier
-    # plans are taken to be too (a mix chosen is measured before it is answered).
-    shift = answer.peak_bytes - BudgetView.of(graph, None).predicted(answer.kept())
+    shift = price_shift(graph, answer)
     counts = sorted({1, *layer_counts(length)})
     budgets = [answer.peak_bytes + room * length // k - shift for k in counts]
     found: dict[tuple[str, ...], Solution] = {}
@@ -184,13 +181,13 @@ def _measured(measure: StepMeasure, run: Sequence[BlockRegion], answer: Solution
         return None
 
 
-def _mixed(graph: CostGraph, answer: Solution, run: Sequence[BlockRegion], mix: _Mix,
-           peak: int) -> Solution:
+def _mixed(answer: Solution, run: Sequence[BlockRegion], mix: _Mix, peak: int,
+           lean_residual_bytes: int) -> Solution:
     """The plan giving the run's blocks the saves of ``mix`` (``_groups``), whose step
     measured ``peak``, for ``answer``'s budget and options. The record is the answer's,
-    with the mix's figures over it (its residual bytes moved by what the mix adds, in the
-    answer's terms)."""
-    added = mix.residual_bytes - evaluate(graph, answer.kept()).residual_bytes
+    with the mix's figures over it (its residual bytes moved by what the mix adds to the
+    answer's own in the graph, ``lean_residual_bytes``: in the answer's terms)."""
+    added = mix.residual_bytes - lean_residual_bytes
     return answer.model_copy(update={
         "status": SolveStatus.FEASIBLE, "recompute_flops": mix.flops,
         "residual_bytes": answer.residual_bytes + added, "lower_bound_flops": 0,

@@ -433,9 +433,7 @@ def _plans_between(answer: Solution, solve_at: SolveAt, line: _Line, room: int,
     the last could take them in ``room`` (``_Line.room``; k over a geometric series),
     leanest first: one-policy plans stacking more than ``answer`` and recomputing less."""
     assert answer.peak_bytes is not None
-    # The solver's price of ``answer`` is this much under what it measured; the heavier
-    # plans are taken to be too (the mix chosen is measured before it is answered).
-    shift = answer.peak_bytes - BudgetView.of(line.graph, None).predicted(answer.kept())
+    shift = price_shift(line.graph, answer)
     found = {tuple(p.saved_keys): p for p in (answer, *known)}
     length = line.region.length
     for k in layer_counts(line.before_last):  # two layers at least (``_Line``)
@@ -462,6 +460,14 @@ def _measured(measure: StepMeasure, region: ScanRegion,
                       f"({type(err).__name__}: {err}); the plan keeps one policy per stack",
                       RuntimeWarning, stacklevel=5)
         return None
+
+
+def price_shift(graph: CostGraph, answer: Solution) -> int:
+    """How far the solver's price of ``answer`` is under what it measured. The heavier
+    plans a mix may take are solved for budgets moved by as much (the mix chosen is
+    measured before it is answered)."""
+    assert answer.peak_bytes is not None
+    return answer.peak_bytes - BudgetView.of(graph, None).predicted(answer.kept())
 
 
 def layer_counts(length: int) -> list[int]:
