@@ -14,11 +14,16 @@ import argparse
 import os
 import sys
 from collections.abc import Callable
+from fractions import Fraction
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from optiremat.solver.units import format_bytes
 from optiremat.solver.wire import DEFAULT_FRONTIER_POINTS
+
+if TYPE_CHECKING:
+    from optiremat.solver.graph import CostGraph
+    from optiremat.solver.solution import Solution
 
 EPILOG = """\
 a typical session:
@@ -89,6 +94,9 @@ def add_commands(parser: argparse.ArgumentParser,
     solve.add_argument("-o", "--out", metavar="PLAN.json",
                        help="where to write the plan (default: GRAPH with .plan.json)")
     _solver_options(solve)
+    _price_option(solve, "answer the plan of least recompute FLOPs + PRICE x saved bytes "
+                         "within the budget (a graph of the training step, extract --memory "
+                         "peak, the default; no offload)")
     solve.set_defaults(run=_reporting_errors(_solve))
 
     frontier = commands.add_parser(
@@ -107,6 +115,8 @@ def add_commands(parser: argparse.ArgumentParser,
     frontier.add_argument("--args", default="example_args", metavar="NAME",
                           help="with MODULE:FUNCTION: the example-arguments attribute")
     _solver_options(frontier)
+    _price_option(frontier, "name the point of least recompute FLOPs + PRICE x saved bytes, "
+                            "and star it on the plot")
     frontier.set_defaults(run=_reporting_errors(_frontier))
 
     explain = commands.add_parser(
@@ -196,6 +206,12 @@ def _solver_options(parser: argparse.ArgumentParser) -> None:
                             "else in-process)")
 
 
+def _price_option(parser: argparse.ArgumentParser, what: str) -> None:
+    parser.add_argument("--save-price", type=_price, metavar="PRICE",
+                        help="FLOPs one saved byte costs (optiremat.measured_save_price() "
+                             f"reads this device's): {what}")
+
+
 # Options whose values may start with '-': argparse would read '--budget -5GiB' as two
 # options (cli.main joins them) and the error must come from the value's check.
 SIZE_OPTIONS = ("--budget", "--host-budget")
@@ -241,6 +257,29 @@ def _rate(text: str) -> int:
     if not value.is_integer() or value <= 0:
         raise argparse.ArgumentTypeError(f"not a positive whole number: {text!r}")
     return int(value)
+
+
+def _price(text: str) -> Fraction:
+    """A save price: FLOPs per saved byte, a finite number >= 0."""
+    from optiremat.client.peak.priced import price_problem
+
+    try:
+        value: object = float(text)
+    except ValueError:
+        value = text
+    if (problem := price_problem(value, "--save-price")) is not None:
+        raise argparse.ArgumentTypeError(problem)
+    return Fraction(text.strip())
+
+
+def _priced_graph(graph: CostGraph, args: argparse.Namespace) -> None:
+    """Refuse --save-price where it cannot price (``optimize``'s ``save_price=`` rules)."""
+    if graph.step is None:
+        raise ValueError("--save-price prices the saves of the training step: extract the "
+                         "graph with --memory peak (the default)")
+    if args.offload or args.host_budget or args.host_bandwidth or args.flop_rate:
+        raise ValueError("--save-price and offload cannot be combined: an offload plan is "
+                         "priced in estimated seconds already")
 
 
 def _options(args: argparse.Namespace) -> dict[str, Any]:
@@ -357,16 +396,30 @@ def _extract(args: argparse.Namespace) -> int:
 
 
 def _solve(args: argparse.Namespace) -> int:
+    from optiremat.client.peak.priced import priced_budget, priced_note
     from optiremat.client.planfile import PlanFile
     from optiremat.solver.solve import solve
 
     graph = _read_graph(args.graph)
-    budget = args.budget
+    budget, price = args.budget, args.save_price
+    if price is not None:
+        _priced_graph(graph, args)
+
+    def planned(solve_at: Callable[[int], Solution]) -> Solution:
+        if price is None:
+            return solve_at(budget)
+        # As optimize(..., save_price=) does, unmeasured: the solve at the budget of the
+        # cheapest priced plan, answering the budget asked.
+        at = priced_budget(budget, solve_at, price)
+        solution = solve_at(at).model_copy(update={"budget_bytes": budget})
+        print(priced_note(price, budget, at, solution))
+        return solution
+
     if args.server:
         with _remote(args) as remote:
-            solution = remote.solve(graph, budget, **_options(args))
+            solution = planned(lambda b: remote.solve(graph, b, **_options(args)))
     else:
-        solution = solve(graph, budget, **_options(args))
+        solution = planned(lambda b: solve(graph, b, **_options(args)))
     out = Path(args.out or Path(args.graph).name.removesuffix(".json").removesuffix(".graph")
                + ".plan.json")
     PlanFile(graph=graph, solution=solution).write(out)
@@ -447,10 +500,20 @@ def _frontier(args: argparse.Namespace) -> int:
     for name, point in builtins.items():
         print(f"{name:>34} {format_bytes(point.memory_bytes):>12} "
               f"{point.recompute_flops:>16,}")
+    if args.save_price is not None:
+        from optiremat.client.peak.priced import cheapest_priced, priced_cost
+
+        cheapest = cheapest_priced(result.points, args.save_price)
+        if cheapest is not None:
+            print(f"saves priced at {float(args.save_price):.4g} FLOPs a byte: the plan at "
+                  f"{format_bytes(cheapest.budget_bytes)} costs least (recompute FLOPs + "
+                  f"price x saved bytes: {float(priced_cost(cheapest, args.save_price)):.4g})")
     if args.plot:
         from optiremat.client.plot import plot_frontier
 
-        print(f"wrote {plot_frontier(result, args.plot, builtins=builtins, title=title)}")
+        written = plot_frontier(result, args.plot, builtins=builtins, title=title,
+                                save_price=args.save_price)
+        print(f"wrote {written}")
     return 0
 
 

@@ -165,6 +165,63 @@ def test_solve_on_a_server_gives_the_same_plan(
     assert load_plan(here).solution.fingerprint() == load_plan(there).solution.fingerprint()
 
 
+def test_save_price_plans_and_marks_the_cheapest_priced_plan(
+        graph_file: Path, workdir: Path, server: Server,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    from fractions import Fraction
+
+    from optiremat.client.peak.priced import priced_budget, priced_cost
+    from optiremat.solver.units import format_bytes
+
+    graph_path = workdir / "priced.graph.json"
+    assert main(["extract", f"{REPO / 'examples' / 'scan_jax.py'}:loss", "-o",
+                 str(graph_path)]) == 0
+    graph = CostGraph.model_validate_json(graph_path.read_bytes())
+    budget = max_useful_budget(graph)
+    unpriced = solve(graph, budget, time_limit_s=20)
+    # A price at which the largest plan is not the cheapest: its saves above the smallest
+    # plan's, at twice the FLOPs per byte they spare.
+    least = solve(graph, min_feasible_budget(graph), time_limit_s=20)
+    price = 2 * Fraction(least.recompute_flops - unpriced.recompute_flops,
+                         unpriced.residual_bytes - least.residual_bytes)
+    at = priced_budget(budget, lambda b: solve(graph, b, time_limit_s=20), price)
+    assert at < budget
+    capsys.readouterr()
+
+    here, there = workdir / "priced.plan.json", workdir / "priced-there.plan.json"
+    for out, where in ((here, []), (there, ["--server", server.url])):
+        assert main(["solve", str(graph_path), "--budget", str(budget), "--save-price",
+                     str(float(price)), "-o", str(out), "--time-limit", "20", *where]) == 0
+        assert "Saves priced at" in capsys.readouterr().out
+    plan = load_plan(here).solution
+    assert plan.budget_bytes == budget and plan.peak_bytes is not None and plan.peak_bytes <= at
+    assert priced_cost(plan, price) < priced_cost(unpriced, price)
+    assert plan.fingerprint() == load_plan(there).solution.fingerprint()
+
+    plot = workdir / "priced.png"
+    assert main(["frontier", str(graph_path), "--points", "6", "--save-price",
+                 str(float(price)), "--plot", str(plot)]) == 0
+    text = capsys.readouterr().out
+    named = [line for line in text.splitlines() if "costs least" in line]
+    assert len(named) == 1 and png_size(plot)[0] > 400
+    # A row of the sweep, and not its largest budget's: at this price that plan costs more.
+    budget_named = named[0].split(" the plan at ")[1].split(" costs")[0]
+    rows = [line.split()[:2] for line in text.splitlines() if " optimal" in line]
+    assert budget_named.split() in rows
+    assert budget_named != format_bytes(budget)
+
+    # Where it cannot price: a graph of residuals, offload, a price that is no number.
+    assert main(["solve", str(graph_file), "--budget", "1MiB", "--save-price", "10"]) == 1
+    assert "extract the graph with --memory peak" in one_line_error(capsys, "solve")
+    assert main(["solve", str(graph_path), "--budget", str(budget), "--save-price", "10",
+                 "--offload"]) == 1
+    assert "cannot be combined" in one_line_error(capsys, "solve")
+    for bad in ("-1", "inf", "ten"):
+        with pytest.raises(SystemExit):
+            main(["solve", str(graph_path), "--budget", str(budget), "--save-price", bad])
+        assert "--save-price takes the FLOPs one saved byte costs" in capsys.readouterr().err
+
+
 def test_an_infeasible_budget_is_one_clear_line_and_exit_1(
         graph_file: Path, capsys: pytest.CaptureFixture[str]) -> None:
     graph = CostGraph.model_validate_json(graph_file.read_bytes())

@@ -38,12 +38,13 @@ from optiremat.solver.wire import FrontierPoint
 GRID = 16
 
 
-def price_problem(price: object) -> str | None:
+def price_problem(price: object, name: str = "save_price=") -> str | None:
     """What is wrong with ``price`` as a ``save_price=`` (FLOPs per saved byte, a finite
-    number >= 0), or None: the words ``optimize`` and the plot raise."""
+    number >= 0), or None: the words ``optimize``, the plot and the command line (which
+    names its flag, ``name``) raise."""
     if (isinstance(price, bool) or not isinstance(price, int | float | Fraction)
             or not math.isfinite(price) or price < 0):
-        return (f"save_price= takes the FLOPs one saved byte costs, a finite number >= 0 "
+        return (f"{name} takes the FLOPs one saved byte costs, a finite number >= 0 "
                 f"(optiremat.measured_save_price() reads it off the device), not {price!r}")
     return None
 
