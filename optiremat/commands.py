@@ -277,7 +277,8 @@ def _priced_graph(graph: CostGraph, args: argparse.Namespace) -> None:
     if graph.step is None:
         raise ValueError("--save-price prices the saves of the training step: extract the "
                          "graph with --memory peak (the default)")
-    if args.offload or args.host_budget or args.host_bandwidth or args.flop_rate:
+    if args.offload or any(flag is not None for flag in (args.host_budget,
+                                                         args.host_bandwidth, args.flop_rate)):
         raise ValueError("--save-price and offload cannot be combined: an offload plan is "
                          "priced in estimated seconds already")
 
