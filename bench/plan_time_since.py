@@ -118,7 +118,7 @@ def main() -> None:
                 ratios.append(groups["seconds"] / then["seconds"])
                 print(f"{name:>14} {float(mib):8.2f} | {then['seconds']:12.2f} | "
                       f"{groups['seconds']:9.2f} {ratios[-1]:5.2f}x | {one['seconds']:12.2f} "
-                      f"{one['seconds'] / then['seconds']:5.2f}x")
+                      f"{one['seconds'] / then['seconds']:5.2f}x", flush=True)
         finally:
             subprocess.run(["git", "-C", str(HERE), "worktree", "remove", "--force", str(tree)],
                            check=False, capture_output=True)
