@@ -272,13 +272,13 @@ def _price(text: str) -> Fraction:
     return Fraction(text.strip())
 
 
-def _priced_graph(graph: CostGraph, args: argparse.Namespace) -> None:
-    """Refuse --save-price where it cannot price (``optimize``'s ``save_price=`` rules)."""
+def _priced_graph(graph: CostGraph, options: dict[str, Any]) -> None:
+    """Refuse --save-price where it cannot price (``optimize``'s ``save_price=`` rules),
+    given the solver options the flags set (``_options``)."""
     if graph.step is None:
         raise ValueError("--save-price prices the saves of the training step: extract the "
                          "graph with --memory peak (the default)")
-    if args.offload or any(flag is not None for flag in (args.host_budget,
-                                                         args.host_bandwidth, args.flop_rate)):
+    if options.get("offload") is not None:
         raise ValueError("--save-price and offload cannot be combined: an offload plan is "
                          "priced in estimated seconds already")
 
@@ -402,9 +402,9 @@ def _solve(args: argparse.Namespace) -> int:
     from optiremat.solver.solve import solve
 
     graph = _read_graph(args.graph)
-    budget, price = args.budget, args.save_price
+    budget, price, options = args.budget, args.save_price, _options(args)
     if price is not None:
-        _priced_graph(graph, args)
+        _priced_graph(graph, options)
 
     def planned(solve_at: Callable[[int], Solution]) -> Solution:
         if price is None:
@@ -418,9 +418,9 @@ def _solve(args: argparse.Namespace) -> int:
 
     if args.server:
         with _remote(args) as remote:
-            solution = planned(lambda b: remote.solve(graph, b, **_options(args)))
+            solution = planned(lambda b: remote.solve(graph, b, **options))
     else:
-        solution = planned(lambda b: solve(graph, b, **_options(args)))
+        solution = planned(lambda b: solve(graph, b, **options))
     out = Path(args.out or Path(args.graph).name.removesuffix(".json").removesuffix(".graph")
                + ".plan.json")
     PlanFile(graph=graph, solution=solution).write(out)
