@@ -32,7 +32,6 @@ from __future__ import annotations
 import argparse
 import sys
 import time
-import traceback
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -42,6 +41,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
+from bench.compiles import CompileTimer  # noqa: E402
 from bench.frontiers import frontier, plan_at  # noqa: E402
 from bench.unrolled import main as unrolled_main  # noqa: E402
 from optiremat.client.peak.placement import Placement  # noqa: E402
@@ -212,31 +212,6 @@ def presets(model: LM) -> list[bool]:
     return better
 
 
-class _CompileTimer:
-    """Every XLA compile in a block, timed (planning's calibration and refinement), with
-    the functions on its call stack, innermost first (what the compile was for)."""
-
-    def __enter__(self) -> _CompileTimer:
-        self.seconds: list[float] = []
-        self.callers: list[list[str]] = []
-        self._original = jax.stages.Lowered.compile
-        timer = self
-
-        def compile(lowered, *a, **k):
-            timer.callers.append([f.name for f in reversed(traceback.extract_stack())])
-            started = time.perf_counter()
-            try:
-                return timer._original(lowered, *a, **k)
-            finally:
-                timer.seconds.append(time.perf_counter() - started)
-
-        jax.stages.Lowered.compile = compile  # type: ignore[method-assign]
-        return self
-
-    def __exit__(self, *exc) -> None:
-        jax.stages.Lowered.compile = self._original  # type: ignore[method-assign]
-
-
 def memory_only_compiles(models: Sequence[Any]) -> None:
     """Measurement compiles skip the code generator's optimisation (``client.step``): each
     model's step, plain and checkpointed whole, compiled both ways, figures compared."""
@@ -271,7 +246,7 @@ def eight_billion() -> None:
                                         ("stack, embedding and head at V 128k", with_head,
                                          "140GiB")):
         calibration._measured.clear()
-        with _CompileTimer() as timer:
+        with CompileTimer() as timer:
             started = time.perf_counter()
             plan = optimize(fun, *shapes, budget=budget)
             total = time.perf_counter() - started

@@ -60,29 +60,14 @@ def _compile_once(name: str) -> dict:
     return {"seconds": seconds, "peak": optiremat.measured_peak(compiled)}
 
 
-# What each compile planning makes is for: the innermost of these planner functions on
-# its call stack.
-PHASES = {"barriers_kept": "schedule probe", "working_bytes_in_step": "step working set",
-          "traced_step_extraction": "extraction", "calibrate_phases": "calibration",
-          "measured_split": "mixing", "as_written_peak": "step as written",
-          "measured": "refinement",
-          # A compile started ahead (client.step.compile_ahead) runs on a worker thread,
-          # beside the planner's own work: its seconds overlap the others'.
-          "_worker": "compiled ahead"}
-
-
-def _phase(callers: list[str]) -> str:
-    return next((PHASES[name] for name in callers if name in PHASES), "other")
-
-
 def _plan(name: str, budget: int) -> dict:
-    from peak import _CompileTimer
+    from compiles import CompileTimer
 
     import optiremat
     from optiremat.solver.solution import InfeasibleBudgetError
 
     loss, args = _models()[name]()
-    with _CompileTimer() as compiles:
+    with CompileTimer() as compiles:
         started = time.perf_counter()
         try:
             optiremat.optimize(loss, *args, budget=budget)
@@ -91,17 +76,7 @@ def _plan(name: str, budget: int) -> dict:
         seconds = time.perf_counter() - started
     return {"seconds": seconds, "budget": budget, "compiles": len(compiles.seconds),
             "compile_seconds": sum(compiles.seconds),
-            "phases": _by_phase(compiles.callers, compiles.seconds)}
-
-
-def _by_phase(callers: list[list[str]], seconds: list[float]) -> dict[str, list[float]]:
-    """Per phase, its compiles and their seconds."""
-    phases: dict[str, list[float]] = {}
-    for phase_callers, took in zip(callers, seconds, strict=True):
-        counted = phases.setdefault(_phase(phase_callers), [0, 0.0])
-        counted[0] += 1
-        counted[1] += took
-    return phases
+            "phases": compiles.by_phase()}
 
 
 def _in_fresh_process(*argv: str, cache: str | None = None) -> dict:

@@ -3,12 +3,14 @@
 
 At budgets between frontier steps of the issue's stack and three models of the scan and
 LM corpora (``bench/layer_groups.py``'s), each plan from a fresh process, the three
-alternating: the earlier revision's ``optimize`` (one policy per stack; ``--rev``,
-checked out in a temporary git worktree), this tree's with layer groups, and this
-tree's with one policy. The models are this tree's (``tests/peak_models.py``,
-``tests/lm_models.py``) for all three.
+taking turns to go first: the earlier revision's ``optimize`` (one policy per stack;
+``--rev``, checked out in a temporary git worktree), this tree's with layer groups, and
+this tree's with one policy; each ``--repeat`` times, the median taken (one fresh
+process's time moves by up to a third between runs here). The models are this tree's
+(``tests/peak_models.py``, ``tests/lm_models.py``) for all three. Each plan's XLA compiles
+are counted (``bench/compiles.py``), and for layer groups those of mixes.
 
-    .venv/bin/python bench/plan_time_since.py [--rev 205185d] [--at MODEL:MIB ...]
+    .venv/bin/python bench/plan_time_since.py [--rev 205185d] [--at MODEL:MIB ...] [--repeat 3]
 """
 
 from __future__ import annotations
@@ -57,18 +59,36 @@ def _models() -> dict:
 
 
 def _plan(root: str, name: str, mib: float, groups: str) -> dict:
-    """A child process: one cold ``optimize`` with ``root``'s optiremat."""
+    """A child process: one cold ``optimize`` with ``root``'s optiremat, and the XLA
+    compiles it made (``bench/compiles.py``, which imports JAX alone)."""
     sys.path.insert(0, root)
+    sys.path.append(str(HERE / "bench"))
+    from compiles import CompileTimer
+
     import optiremat
 
     loss, args = _models()[name]()
     options = {} if groups == "-" else {"layer_groups": groups == "1"}
-    started = time.perf_counter()
-    plan = optiremat.optimize(loss, *args, budget=int(mib * 2**20), **options)
-    return {"seconds": time.perf_counter() - started, "flops": plan.recompute_flops}
+    with CompileTimer() as compiles:
+        started = time.perf_counter()
+        plan = optiremat.optimize(loss, *args, budget=int(mib * 2**20), **options)
+        seconds = time.perf_counter() - started
+    return {"seconds": seconds, "flops": plan.recompute_flops,
+            "compiles": len(compiles.seconds),
+            "mixing": compiles.by_phase().get("mixing", [0])[0]}
 
 
-def _in_fresh_process(root: Path, name: str, mib: float, groups: str) -> dict:
+def _timed(plan: dict) -> str:
+    """A plan's seconds, and its compiles in brackets."""
+    return f"{plan['seconds']:7.2f} ({plan['compiles']:2d})"
+
+
+def _median(runs: list[dict]) -> dict:
+    """The run of median seconds (of an even count, the upper), its compiles with it."""
+    return sorted(runs, key=lambda run: run["seconds"])[len(runs) // 2]
+
+
+def _in_fresh_process(root: Path, groups: str, name: str, mib: float) -> dict:
     done = subprocess.run([sys.executable, __file__, "--one", str(root), name, str(mib), groups],
                           capture_output=True, text=True, check=False)
     if done.returncode != 0:
@@ -91,6 +111,8 @@ def main() -> None:
     parser.add_argument("--rev", default=ISSUE_DAY, help="the earlier revision (one policy)")
     parser.add_argument("--at", nargs="+", default=BUDGETS, metavar="MODEL:MIB",
                         help="the budgets planned (default: the issue's ten)")
+    parser.add_argument("--repeat", type=int, default=3,
+                        help="fresh processes per plan, the median taken (default 3)")
     parser.add_argument("--one", nargs=4, help=argparse.SUPPRESS)
     ns = parser.parse_args()
     if ns.one:
@@ -103,28 +125,43 @@ def main() -> None:
         if name not in known or not mib.replace(".", "", 1).isdigit():
             parser.error(f"--at takes MODEL:MIB with MODEL one of {', '.join(known)}, "
                          f"not {spec!r}")
-    print(f"each plan from a fresh process; {ns.rev}'s one policy against this tree's")
-    print(f"{'model':>14} {'MiB':>8} | {ns.rev + ' s':>12} | {'groups s':>9} {'ratio':>6} | "
+    if ns.repeat < 1:
+        parser.error(f"--repeat takes a count of 1 or more, not {ns.repeat}")
+    print(f"each plan from a fresh process, the median of {ns.repeat} (the three taking turns "
+          f"to go first); {ns.rev}'s one policy against this tree's")
+    print("(in brackets, the XLA compiles each made; for layer groups, of which mixes)")
+    print(f"{'model':>14} {'MiB':>8} | {ns.rev + ' s':>12} | {'groups s':>21} {'ratio':>6} | "
           f"{'one policy s':>12} {'ratio':>6}")
     ratios: list[float] = []
+    spreads: list[float] = []
     with tempfile.TemporaryDirectory() as folder:
         tree = _worktree(ns.rev, Path(folder))
         try:
             for spec in ns.at:
                 name, _, mib = spec.partition(":")
-                then = _in_fresh_process(tree, name, float(mib), "-")
-                groups = _in_fresh_process(HERE, name, float(mib), "1")
-                one = _in_fresh_process(HERE, name, float(mib), "0")
+                kinds = [(tree, "-"), (HERE, "1"), (HERE, "0")]
+                runs: list[list[dict]] = [[] for _ in kinds]
+                for turn in range(ns.repeat):
+                    for k in range(len(kinds)):
+                        at = (k + turn) % len(kinds)
+                        runs[at].append(_in_fresh_process(*kinds[at], name, float(mib)))
+                then, groups, one = (_median(r) for r in runs)
+                spreads += [(max(s) - min(s)) / statistics.median(s)
+                            for s in ([r["seconds"] for r in rs] for rs in runs)]
                 ratios.append(groups["seconds"] / then["seconds"])
-                print(f"{name:>14} {float(mib):8.2f} | {then['seconds']:12.2f} | "
-                      f"{groups['seconds']:9.2f} {ratios[-1]:5.2f}x | {one['seconds']:12.2f} "
-                      f"{one['seconds'] / then['seconds']:5.2f}x", flush=True)
+                mixes = f"{groups['mixing']} mix{'es' * (groups['mixing'] != 1)}"
+                print(f"{name:>14} {float(mib):8.2f} | {_timed(then)} | "
+                      f"{_timed(groups)[:-1]}, {mixes}) {ratios[-1]:5.2f}x | "
+                      f"{_timed(one)} {one['seconds'] / then['seconds']:5.2f}x", flush=True)
         finally:
             subprocess.run(["git", "-C", str(HERE), "worktree", "remove", "--force", str(tree)],
                            check=False, capture_output=True)
     print(f"\n## layer groups over {ns.rev}'s one policy: {min(ratios):.2f}x .. "
           f"{max(ratios):.2f}x (median {statistics.median(ratios):.2f}x); within 1.5x on "
           f"{sum(r <= 1.5 for r in ratios)}/{len(ratios)}")
+    if ns.repeat > 1:
+        print(f"one plan's fresh processes spread over up to {max(spreads):.0%} of their "
+              f"median (median spread {statistics.median(spreads):.0%})")
 
 
 if __name__ == "__main__":
