@@ -6,6 +6,8 @@ The exactness of the peak model, model by model, is ``tests/test_peak.py``'s.
 
 from __future__ import annotations
 
+import threading
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -29,7 +31,7 @@ from optiremat.solver.graph import CostGraph, GraphError
 from optiremat.solver.solution import InfeasibleBudgetError
 from optiremat.solver.solve import max_useful_budget, min_feasible_budget, solve
 from tests.lm_models import lm
-from tests.peak_models import CORPUS, cnn, llama, vit
+from tests.peak_models import CORPUS, cnn, llama, small_llama, vit
 
 # Among the suite's longest: handed out first (tests/conftest.py).
 pytestmark = pytest.mark.slow
@@ -258,3 +260,38 @@ def test_a_program_compiled_ahead_is_measured_once_and_the_same(
     forget_compiled_memory()
     here = [lowered_memory(lowered) for lowered in programs]
     assert ahead == here and ahead[0].peak_bytes < ahead[1].peak_bytes
+
+
+def test_the_first_candidate_compiles_beside_the_first_plan_and_changes_no_plan(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Where the first plan refinement solves fits as priced, the candidate it measures
+    next compiles on a spare worker while that plan compiles here
+    (``refine._Refinement._candidates_ahead``): the same plan as with no worker to spare,
+    from the same programs, one more of them compiled on a worker and none compiled
+    twice."""
+    from optiremat.client.peak import refine
+
+    fun, args = small_llama()
+    g = step_extraction(fun, args, STEP).graph
+    budget = min_feasible_budget(g) + (max_useful_budget(g) - min_feasible_budget(g)) // 4
+    compiled: list[tuple[bool, str]] = []
+    original = jax.stages.Lowered.compile
+
+    def compile(lowered, *a, **k):
+        compiled.append((threading.current_thread() is threading.main_thread(),
+                         lowered.as_text()))
+        return original(lowered, *a, **k)
+
+    monkeypatch.setattr(jax.stages.Lowered, "compile", compile)
+    runs = {}
+    for workers in (2, 1):  # one candidate ahead; none
+        monkeypatch.setattr(refine, "COMPILE_WORKERS", workers)
+        forget_compiled_memory()
+        compiled.clear()
+        plan = optiremat.optimize(fun, *args, budget=budget, layer_groups=False)
+        runs[workers] = (plan.saved_keys, plan.peak_bytes, plan.recompute_flops,
+                         sorted(text for _, text in compiled),
+                         sum(not here for here, _ in compiled))
+    ahead, alone = runs[2], runs[1]
+    assert ahead[:4] == alone[:4], "the same plan from the same programs, each compiled once"
+    assert ahead[4] == alone[4] + 1, "the candidate compiled on a worker"
