@@ -273,7 +273,7 @@ class _Refinement:
                 return
             shift, before = following, (shift, peak)
 
-    def _candidates(self) -> list[_Candidate]:
+    def _candidates(self, best: Solution | None) -> list[_Candidate]:
         """JAX's built-ins; each value the user named with ``checkpoint_name`` saved alone
         (a name's policy key); and the names saved together up to each one in program
         order, as LM libraries' presets save a layer's first projections (q, k and v;
@@ -286,8 +286,8 @@ class _Refinement:
         names alone are tried, the leanest as priced first (those are the ones a tight
         budget may take); once one fits, the leanest and the fewest FLOPs alternate: the
         leanest find the plans a budget at a preset's peak holds, the fewest FLOPs the
-        presets that save more than the calibration suggests they fit. Each is priced
-        once here."""
+        presets that save more than the calibration suggests they fit (``best``: the best
+        plan so far, None while none fits). Each is priced once here."""
         g = self.graph
         candidates = [*self.presets, *builtin_offered_saves(g).values()]
         # A name whose value is kept anyway (a layer's input) changes nothing saved.
@@ -298,25 +298,26 @@ class _Refinement:
         candidates += [alone[key] for key in names]
         # The names together are for FLOPs, once a plan fits: they hold more than the
         # names alone, which are the ones a budget nothing fits yet may take.
-        if self.best is not None:
+        if best is not None:
             candidates += [_saving(g, set(names[:end])) for end in range(2, len(names) + 1)]
         view = BudgetView.of(g, None)
         unique = {tuple(saves): saves for saves in candidates}.values()
         priced = [_Candidate(view.predicted(saves), recompute_flops(g, saves), saves)
                   for saves in unique]
         leanest = sorted(priced, key=lambda c: (c.predicted, c.flops))
-        if self.best is None:
+        if best is None:
             return leanest
         fewest_flops = sorted(priced, key=lambda c: (c.flops, c.predicted))
         alternated = [c for pair in zip(leanest, fewest_flops, strict=True) for c in pair]
         return list({id(c.saves): c for c in alternated}.values())
 
     def _builtins(self) -> None:
-        candidates = self._candidates()
+        candidates = self._candidates(self.best)
         for at, candidate in enumerate(candidates):
-            if not self._worth_measuring(candidate):
+            if not self._worth_measuring(candidate, self.best):
                 continue
-            self._compile_ahead(candidates[at + 1:], self._worth_measuring)
+            self._compile_ahead(candidates[at + 1:],
+                                lambda later: self._worth_measuring(later, self.best))
             offered, flops = candidate.saves, candidate.flops
             self.candidates_measured += 1
             keys, shift = self._candidate_shift(offered)
@@ -332,16 +333,16 @@ class _Refinement:
             # then tighten by what it overshot.
             self._chase(shift, MAX_TIGHTENINGS, self._tightened)
 
-    def _worth_measuring(self, candidate: _Candidate) -> bool:
-        """Whether a candidate is measured now: it recomputes less than the best plan so
-        far, its floor is not over the budget, and the cap on candidates measured once a
-        plan fits is not reached (a preset is always measured: the answer is never
-        worse)."""
-        if self.best is not None and candidate.flops >= self.best.recompute_flops:
+    def _worth_measuring(self, candidate: _Candidate, best: Solution | None) -> bool:
+        """Whether a candidate is measured now, ``best`` the best plan so far: it
+        recomputes less than ``best``, its floor is not over the budget, and the cap on
+        candidates measured once a plan fits is not reached (a preset is always measured:
+        the answer is never worse)."""
+        if best is not None and candidate.flops >= best.recompute_flops:
             return False
         if self.floor_holds and candidate.predicted - self.unmeasured_share > self.budget:
             return False  # over the budget whatever its working sets
-        return (candidate.saves in self.presets or self.best is None
+        return (candidate.saves in self.presets or best is None
                 or self.candidates_measured < MAX_CANDIDATES_MEASURED)
 
     def _candidates_ahead(self, answer: Solution) -> None:
@@ -351,13 +352,9 @@ class _Refinement:
         stack at 140.81 MiB that candidate's compile followed the answer's, 0.9 s on
         this thread."""
         assert answer.peak_bytes is not None and self.best is None
-        if not self._fits(answer):
-            return  # a chase comes first: the best plan, and what is worth measuring, move
-        self.best = answer
-        try:
-            self._compile_ahead(self._candidates(), self._worth_measuring)
-        finally:
-            self.best = None
+        if self._fits(answer):  # else a chase comes first, and what is worth measuring moves
+            self._compile_ahead(self._candidates(answer),
+                                functools.partial(self._worth_measuring, best=answer))
 
     def _compile_ahead(self, later: Sequence[_Candidate],
                        measured: Callable[[_Candidate], bool]) -> None:
@@ -408,7 +405,7 @@ class _Refinement:
             return not self.floor_holds or (
                 candidate.predicted - self.unmeasured_share < least)
 
-        candidates = self._candidates()  # the leanest as priced first
+        candidates = self._candidates(None)  # the leanest as priced first
         for at, candidate in enumerate(candidates):
             if not could_be_under(candidate, least):
                 continue
