@@ -267,8 +267,9 @@ def test_the_first_candidate_compiles_beside_the_first_plan_and_changes_no_plan(
     """Where the first plan refinement solves fits as priced, the candidate it measures
     next compiles on a spare worker while that plan compiles here
     (``refine._Refinement._candidates_ahead``): the same plan as with no worker to spare,
-    from the same programs, one more of them compiled on a worker and none compiled
-    twice."""
+    one more program compiled on a worker and none compiled twice. That compile is spent
+    where the first plan, measured, moves the best plan past the candidate (here on jax
+    0.12.1): then it is the one program the plan made besides."""
     from optiremat.client.peak import refine
 
     fun, args = small_llama()
@@ -288,10 +289,11 @@ def test_the_first_candidate_compiles_beside_the_first_plan_and_changes_no_plan(
         monkeypatch.setattr(refine, "COMPILE_WORKERS", workers)
         forget_compiled_memory()
         compiled.clear()
-        plan = optiremat.optimize(fun, *args, budget=budget, layer_groups=False)
-        runs[workers] = (plan.saved_keys, plan.peak_bytes, plan.recompute_flops,
-                         sorted(text for _, text in compiled),
-                         sum(not here for here, _ in compiled))
-    ahead, alone = runs[2], runs[1]
-    assert ahead[:4] == alone[:4], "the same plan from the same programs, each compiled once"
-    assert ahead[4] == alone[4] + 1, "the candidate compiled on a worker"
+        planned = optiremat.optimize(fun, *args, budget=budget, layer_groups=False)
+        runs[workers] = ((planned.saved_keys, planned.peak_bytes, planned.recompute_flops),
+                         [text for _, text in compiled], sum(not here for here, _ in compiled))
+    (plan, programs, on_workers), (alone, alone_programs, alone_on_workers) = runs[2], runs[1]
+    assert plan == alone
+    assert len(set(programs)) == len(programs), "no program compiled twice"
+    assert set(alone_programs) <= set(programs) and len(programs) <= len(alone_programs) + 1
+    assert on_workers == alone_on_workers + 1, "the candidate compiled on a worker"
