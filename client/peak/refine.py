@@ -42,7 +42,7 @@ from __future__ import annotations
 import functools
 import itertools
 from collections.abc import Callable, Sequence
-from typing import NamedTuple
+from typing import NamedTuple, Protocol
 
 from optiremat.client.peak.measures import LayerMeasure, PeakMeasure, measure_ahead
 from optiremat.client.peak.regions import Region
@@ -79,22 +79,21 @@ SolveAt = Callable[[int], Solution]
 def refined_solve(graph: CostGraph, regions: Sequence[Region], budget: int,
                   solve_at: SolveAt, measure: PeakMeasure | None = None,
                   presets: Sequence[Sequence[bool]] = (),
-                  fill: Callable[[Solution], bool] | None = None) -> Solution:
+                  apart: Apart | None = None) -> Solution:
     """The plan for ``budget`` whose peak, measured, fits.
 
     ``solve_at(b)`` solves ``graph`` (a step's) at budget ``b``, which assumes the
     step's calibrated working sets; ``measure`` says what a plan's peak is (by default
     its regions' layers compiled, ``LayerMeasure``). ``presets`` are plans the answer is
     never worse than where they fit as measured, each measured (a framework's presets: a
-    names-only plan is compared with them, ``client.frameworks``). ``fill``: whether to
-    bisect where the answer leaves room (``_Refinement._fill``), asked of the answer
-    before (by default, always): a plan whose layers are mixed next
-    (``client.peak.mixing``) leaves that to the mix, which fills it finer. Raises
+    names-only plan is compared with them, ``client.frameworks``). ``apart``: the answer's
+    layers planned apart next (``client.peak.apart``), which fills the budget finer than
+    refinement's own searches for room (``_Refinement.run``). Raises
     InfeasibleBudgetError when no plan fits, naming the smallest budget refinement plans
     (``smallest_budget``).
     """
     measure = LayerMeasure(graph, regions) if measure is None else measure
-    answer = _Refinement(graph, budget, solve_at, measure, presets).run(fill)
+    answer = _Refinement(graph, budget, solve_at, measure, presets).run(apart)
     if answer is not None:
         return answer
     least, found = _smallest_answer(graph, solve_at, measure, presets)
@@ -103,8 +102,27 @@ def refined_solve(graph: CostGraph, regions: Sequence[Region], budget: int,
     # everything measured 1 KiB under the built-in that led this budget's search there):
     # the smallest budget named is always answered.
     if found is not None and found.peak_bytes is not None and found.peak_bytes <= budget:
-        return found.model_copy(update={"budget_bytes": budget})
+        found = found.model_copy(update={"budget_bytes": budget})
+        return found if apart is None else apart(found)
     raise InfeasibleBudgetError(budget, least)
+
+
+class Apart(Protocol):
+    """A step's layers planned apart after refinement (``client.peak.apart``)."""
+
+    def follows(self, answer: Solution) -> bool:
+        """Whether ``answer``'s layers may be planned apart."""
+        ...
+
+    def weighs_the_chase(self, answer: Solution) -> bool:
+        """Whether the plans planning ``answer``'s layers apart weighs include the one
+        refinement's chase would measure next (a scan's: ``mixing._plans_between``)."""
+        ...
+
+    def __call__(self, answer: Solution) -> Solution:
+        """``answer`` with its layers planned apart where that recomputes less and fits as
+        measured, else ``answer``."""
+        ...
 
 
 # Refinements at the smallest budget found, each at the peak the last one answered: the
@@ -163,10 +181,20 @@ class _Refinement:
         self.solved: Solution | None = None  # the last solve's plan: its solver and options
         self.unplanned: Solution | None = None  # an answer without a plan (time limit, cancel)
 
-    def run(self, fill: Callable[[Solution], bool] | None = None) -> Solution | None:
-        """The best plan that fits as measured; None when none does. ``fill``: whether to
-        bisect where it leaves room (``_fill``), asked of the best plan before (by
-        default, always)."""
+    def run(self, apart: Apart | None = None) -> Solution | None:
+        """The best plan that fits as measured, its layers planned apart by ``apart``
+        where given; None when none fits.
+
+        Where the first plan fits, the chase after it and the bisection for room under the
+        best plan (``_fill``) are searches for the room it leaves, which a plan with its
+        layers apart fills finer: where they may be, the bisection is left to them, and
+        where the plans they weigh include the chase's next (a scan's layers), the chase
+        comes after them, compiling only the plans that recompute less than theirs (on
+        the issue-39 stack at 205.09 MiB the chase's plan was 0.25% leaner and recomputed
+        as much as the first: a compile spent). A plan it then finds is planned apart
+        too. Blocks in straight-line code are priced loosely, their plans measuring up to
+        12 MiB under their price on the unrolled corpus's Llama, where the chase's third
+        plan mixed recomputes 0.55x what the first plan mixed does: there it comes first."""
         start = 0
         try:
             first = self._attempt(start)
@@ -181,13 +209,28 @@ class _Refinement:
             assert self.unplanned is not None
             return self.unplanned  # stopped before a plan: nothing to measure
         assert first[0].peak_bytes is not None
-        # Each answer's peak was priced ``delta`` under what it holds: solve again there.
-        self._chase(first[1], MAX_ROUNDS - 1, lambda answer, delta, shift: delta,
-                    (start, first[0].peak_bytes))
+
+        def chase() -> None:
+            # Each answer's peak was priced ``delta`` under what it holds: solve again there.
+            self._chase(first[1], MAX_ROUNDS - 1, lambda answer, delta, shift: delta,
+                        (start, first[0].peak_bytes))
+
+        chase_after = (apart is not None and self._fits(first[0])
+                       and apart.weighs_the_chase(first[0]))
+        if not chase_after:
+            chase()
         self._builtins()
-        if fill is None or (self.best is not None and fill(self.best)):
+        if apart is None or (self.best is not None and not apart.follows(self.best)):
             self._fill()
-        return self.best if self.best is not None else self._smallest()
+        answer = self.best if self.best is not None else self._smallest()
+        if apart is None or answer is None:
+            return answer
+        self.best = mixed = apart(answer)
+        if chase_after:
+            chase()
+            if self.best is not mixed:  # the chase found a plan recomputing less: apart too
+                self.best = apart(self.best)
+        return self.best
 
     def _attempt(self, shift: int, bracketing: bool = False) -> tuple[Solution, int] | None:
         """The plan solved at ``budget - shift``, measured, and how much more its peak is
