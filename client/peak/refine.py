@@ -217,15 +217,17 @@ class _Refinement:
         if first is None:
             assert self.unplanned is not None
             return self.unplanned  # stopped before a plan: nothing to measure
-        assert first[0].peak_bytes is not None
+        peak = first[0].peak_bytes
+        assert peak is not None
+        # How far the first plan's price missed, and the shift it was solved at and its peak.
+        missed, before = first[1], (start, peak)
 
         def chase() -> None:
             # Each answer's peak was priced ``delta`` under what it holds: solve again there.
-            self._chase(first[1], MAX_ROUNDS - 1, lambda answer, delta, shift: delta,
-                        (start, first[0].peak_bytes))
+            self._chase(missed, MAX_ROUNDS - 1, lambda answer, delta, shift: delta, before)
 
-        chase_after = (apart is not None and self._fits(first[0])
-                       and first[0].peak_bytes >= (1 - MIX_ROOM) * self.budget
+        chase_after = (apart is not None and peak <= self.budget
+                       and peak >= (1 - MIX_ROOM) * self.budget
                        and apart.weighs_the_chase(first[0]))
         if not chase_after:
             chase()
