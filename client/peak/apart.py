@@ -10,8 +10,7 @@ search for room, so refinement leaves that search to them.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Sequence
 
 from optiremat.client.peak.block_mixing import block_mixable, mixed_blocks
 from optiremat.client.peak.measures import PeakMeasure, StepMeasure
@@ -29,8 +28,11 @@ def refined_and_mixed(graph: CostGraph, regions: Sequence[Region], budget: int,
     """The plan at ``budget`` refined against ``measure`` (``refine.refined_solve``) and,
     with ``layer_groups``, its layers planned apart (``with_layers_apart``), whose plans
     ``solve_unnested`` solves: as ``solve_at`` does, choosing no nesting."""
-    apart = _LayersApart(graph, regions, solve_unnested, measure) if layer_groups else None
-    return refined_solve(graph, regions, budget, solve_at, measure, presets, apart)
+    answer = refined_solve(graph, regions, budget, solve_at, measure, presets,
+                           _not_mixed(layer_groups, regions, measure))
+    if not layer_groups:
+        return answer
+    return with_layers_apart(graph, regions, answer, solve_unnested, measure)
 
 
 def with_layers_apart(graph: CostGraph, regions: Sequence[Region], answer: Solution,
@@ -50,21 +52,10 @@ def with_layers_apart(graph: CostGraph, regions: Sequence[Region], answer: Solut
     return answer
 
 
-@dataclass(frozen=True)
-class _LayersApart:
-    """``with_layers_apart`` as refinement takes it (``refine.Apart``)."""
-
-    graph: CostGraph
-    regions: Sequence[Region]
-    solve_at: SolveAt
-    measure: object
-
-    def follows(self, answer: Solution) -> bool:
-        return (mixable(self.regions, answer, self.measure)
-                or block_mixable(self.regions, answer, self.measure))
-
-    def weighs_the_chase(self, answer: Solution) -> bool:
-        return mixable(self.regions, answer, self.measure)
-
-    def __call__(self, answer: Solution) -> Solution:
-        return with_layers_apart(self.graph, self.regions, answer, self.solve_at, self.measure)
+def _not_mixed(layer_groups: bool, regions: Sequence[Region],
+               measure: object) -> Callable[[Solution], bool]:
+    """Whether refinement should bisect for room (``refine._Refinement._fill``) under its
+    answer so far: not where the answer's layers are mixed next, which fills the budget
+    finer (``layer_groups``: they may be)."""
+    return lambda answer: not (layer_groups and (mixable(regions, answer, measure)
+                                                 or block_mixable(regions, answer, measure)))

@@ -430,19 +430,15 @@ def _flops(parts: Sequence[tuple[int, Solution]], length: int) -> float:
 def _plans_between(answer: Solution, solve_at: SolveAt, line: _Line, room: int,
                    known: Sequence[Solution] = ()) -> list[Solution]:
     """``answer``, ``known`` and the plans the solver gives where k of the layers before
-    the last could take them in ``room`` (``_Line.room``; k over a geometric series) and
-    at the budget moved by the answer's price shift (the plan refinement's chase would
-    measure next, ``refine._Refinement.run``), leanest first: one-policy plans stacking
-    more than ``answer`` and recomputing less."""
+    the last could take them in ``room`` (``_Line.room``; k over a geometric series),
+    leanest first: one-policy plans stacking more than ``answer`` and recomputing less."""
     assert answer.peak_bytes is not None
     shift = price_shift(line.graph, answer)
     found = {tuple(p.saved_keys): p for p in (answer, *known)}
     length = line.region.length
-    budgets = [answer.peak_bytes + max(0, room) * length // k - shift
-               for k in layer_counts(line.before_last)]  # two layers at least (``_Line``)
-    for budget in sorted({*budgets, answer.budget_bytes - shift}):
+    for k in layer_counts(line.before_last):  # two layers at least (``_Line``)
         try:
-            plan = solve_at(budget)
+            plan = solve_at(answer.peak_bytes + max(0, room) * length // k - shift)
         except InfeasibleBudgetError:
             continue
         if (plan.planned and plan.recompute_flops < answer.recompute_flops

@@ -42,7 +42,7 @@ from __future__ import annotations
 import functools
 import itertools
 from collections.abc import Callable, Sequence
-from typing import NamedTuple, Protocol
+from typing import NamedTuple
 
 from optiremat.client.peak.measures import LayerMeasure, PeakMeasure, measure_ahead
 from optiremat.client.peak.regions import Region
@@ -67,9 +67,6 @@ MAX_TIGHTENINGS = 3
 # the answer leaves more than ROOM of the budget unused.
 MAX_FILLS = 2
 ROOM = 0.02
-# Where the first plan fits and leaves at most this share of the budget, and a scan's
-# layers are mixed next, the chase after it waits for the mix (``_Refinement.run``).
-MIX_ROOM = 0.1
 # Checkpoint names tried, at most (an LM layer names about eight values), and the
 # candidates measured in all once a plan fits: each is a compile. While no plan fits,
 # every candidate is measured (leanest first): else a budget a candidate meets is refused.
@@ -82,21 +79,22 @@ SolveAt = Callable[[int], Solution]
 def refined_solve(graph: CostGraph, regions: Sequence[Region], budget: int,
                   solve_at: SolveAt, measure: PeakMeasure | None = None,
                   presets: Sequence[Sequence[bool]] = (),
-                  apart: Apart | None = None) -> Solution:
+                  fill: Callable[[Solution], bool] | None = None) -> Solution:
     """The plan for ``budget`` whose peak, measured, fits.
 
     ``solve_at(b)`` solves ``graph`` (a step's) at budget ``b``, which assumes the
     step's calibrated working sets; ``measure`` says what a plan's peak is (by default
     its regions' layers compiled, ``LayerMeasure``). ``presets`` are plans the answer is
     never worse than where they fit as measured, each measured (a framework's presets: a
-    names-only plan is compared with them, ``client.frameworks``). ``apart``: the answer's
-    layers planned apart next (``client.peak.apart``), which fills the budget finer than
-    refinement's own searches for room (``_Refinement.run``). Raises
+    names-only plan is compared with them, ``client.frameworks``). ``fill``: whether to
+    bisect where the answer leaves room (``_Refinement._fill``), asked of the answer
+    before (by default, always): a plan whose layers are mixed next
+    (``client.peak.mixing``) leaves that to the mix, which fills it finer. Raises
     InfeasibleBudgetError when no plan fits, naming the smallest budget refinement plans
     (``smallest_budget``).
     """
     measure = LayerMeasure(graph, regions) if measure is None else measure
-    answer = _Refinement(graph, budget, solve_at, measure, presets).run(apart)
+    answer = _Refinement(graph, budget, solve_at, measure, presets).run(fill)
     if answer is not None:
         return answer
     least, found = _smallest_answer(graph, solve_at, measure, presets)
@@ -105,27 +103,8 @@ def refined_solve(graph: CostGraph, regions: Sequence[Region], budget: int,
     # everything measured 1 KiB under the built-in that led this budget's search there):
     # the smallest budget named is always answered.
     if found is not None and found.peak_bytes is not None and found.peak_bytes <= budget:
-        found = found.model_copy(update={"budget_bytes": budget})
-        return found if apart is None else apart(found)
+        return found.model_copy(update={"budget_bytes": budget})
     raise InfeasibleBudgetError(budget, least)
-
-
-class Apart(Protocol):
-    """A step's layers planned apart after refinement (``client.peak.apart``)."""
-
-    def follows(self, answer: Solution) -> bool:
-        """Whether ``answer``'s layers may be planned apart."""
-        ...
-
-    def weighs_the_chase(self, answer: Solution) -> bool:
-        """Whether the plans planning ``answer``'s layers apart weighs include the one
-        refinement's chase would measure next (a scan's: ``mixing._plans_between``)."""
-        ...
-
-    def __call__(self, answer: Solution) -> Solution:
-        """``answer`` with its layers planned apart where that recomputes less and fits as
-        measured, else ``answer``."""
-        ...
 
 
 # Refinements at the smallest budget found, each at the peak the last one answered: the
@@ -184,26 +163,10 @@ class _Refinement:
         self.solved: Solution | None = None  # the last solve's plan: its solver and options
         self.unplanned: Solution | None = None  # an answer without a plan (time limit, cancel)
 
-    def run(self, apart: Apart | None = None) -> Solution | None:
-        """The best plan that fits as measured, its layers planned apart by ``apart``
-        where given; None when none fits.
-
-        Where the first plan fits, the chase after it and the bisection for room under the
-        best plan (``_fill``) are searches for the room it leaves, which a plan with its
-        layers apart fills finer: where they may be, the bisection is left to them; and
-        where the plans they weigh include the chase's next (a scan's layers) and the
-        first plan leaves at most ``MIX_ROOM`` of the budget, the chase comes after them,
-        compiling only the plans that recompute less than theirs (on the issue-39 stack
-        at 205.09 MiB the first plan measured 98.8% of it, 12.2 MiB under its price, and
-        the chase's plan was 0.25% leaner and recomputed as much: a compile spent). A
-        plan it then finds is planned apart too. Where the first plan leaves more, the
-        solver's price is far off and so is the mixes' first line: on a TPU v5e the
-        corpus ViT's first plan at 146.84 MiB measured 67.89, 78.77 MiB under its price,
-        its mix lost to the chase's plan and was mixed again (three compiles spent).
-        Blocks in straight-line code are priced loosely, their plans measuring up to 12
-        MiB under their price on the unrolled corpus's Llama, where the chase's third
-        plan mixed recomputes 0.55x what the first plan mixed does: there too the chase
-        comes first."""
+    def run(self, fill: Callable[[Solution], bool] | None = None) -> Solution | None:
+        """The best plan that fits as measured; None when none does. ``fill``: whether to
+        bisect where it leaves room (``_fill``), asked of the best plan before (by
+        default, always)."""
         start = 0
         try:
             first = self._attempt(start)
@@ -217,32 +180,14 @@ class _Refinement:
         if first is None:
             assert self.unplanned is not None
             return self.unplanned  # stopped before a plan: nothing to measure
-        peak = first[0].peak_bytes
-        assert peak is not None
-        # How far the first plan's price missed, and the shift it was solved at and its peak.
-        missed, before = first[1], (start, peak)
-
-        def chase() -> None:
-            # Each answer's peak was priced ``delta`` under what it holds: solve again there.
-            self._chase(missed, MAX_ROUNDS - 1, lambda answer, delta, shift: delta, before)
-
-        chase_after = (apart is not None and peak <= self.budget
-                       and peak >= (1 - MIX_ROOM) * self.budget
-                       and apart.weighs_the_chase(first[0]))
-        if not chase_after:
-            chase()
+        assert first[0].peak_bytes is not None
+        # Each answer's peak was priced ``delta`` under what it holds: solve again there.
+        self._chase(first[1], MAX_ROUNDS - 1, lambda answer, delta, shift: delta,
+                    (start, first[0].peak_bytes))
         self._builtins()
-        if apart is None or (self.best is not None and not apart.follows(self.best)):
+        if fill is None or (self.best is not None and fill(self.best)):
             self._fill()
-        answer = self.best if self.best is not None else self._smallest()
-        if apart is None or answer is None:
-            return answer
-        self.best = mixed = apart(answer)
-        if chase_after:
-            chase()
-            if self.best is not mixed:  # the chase found a plan recomputing less: apart too
-                self.best = apart(self.best)
-        return self.best
+        return self.best if self.best is not None else self._smallest()
 
     def _attempt(self, shift: int, bracketing: bool = False) -> tuple[Solution, int] | None:
         """The plan solved at ``budget - shift``, measured, and how much more its peak is
